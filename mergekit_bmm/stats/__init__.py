@@ -1,0 +1,1 @@
+"""Activation statistics (per-task Grams) for data-assisted BMM and RegMean."""

@@ -1,0 +1,170 @@
+"""The statistics directory: one file format, one writer, one reader.
+
+Layout::
+
+    STATS_DIR/
+      manifest.json           # see StatsManifest
+      grams/<task>.safetensors  # float32 (in, in) mean Grams, one per shared input
+
+``G_t`` is the mean of ``x xᵀ`` over every non-padding token of task t's calibration
+data, run through expert t (RegMean's convention: each task weighs equally). Modules
+that read the same input (q/k/v; gate/up) share one stored Gram: ``modules`` maps every
+weight name to the key it is stored under. ``tokens`` per task lets users rebuild the
+sum form ``X_t X_tᵀ = tokens · G_t``.
+
+Both data-assisted ``bmm`` and ``regmean`` read Grams only through
+:func:`activation_grams_for`, which refuses statistics made for other models
+(fingerprint mismatch), from an incompatible format version, or lacking a module.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable, Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, Field
+
+from mergekit_bmm.errors import StatisticsError
+from mergekit_bmm.fingerprint import model_fingerprint, same_path
+
+FORMAT_NAME = "mergekit-bmm-stats"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+GRAM_DIR = "grams"
+
+
+class TaskStats(BaseModel):
+    """One task's calibration run."""
+
+    name: str
+    model: str
+    fingerprint: str = ""
+    file: str
+    samples: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    data: str = ""
+
+
+class StatsManifest(BaseModel):
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    package_version: str
+    dtype: str = "float32"
+    tasks: list[TaskStats]
+    modules: dict[str, str]
+    notes: dict[str, str] = Field(default_factory=dict)
+
+    def task_for_model(self, model: Hashable, stats_dir: Path) -> TaskStats:
+        """The task whose expert is ``model`` (a path or mergekit ModelReference)."""
+        path = _model_path(model)
+        for task in self.tasks:
+            if same_path(task.model, path):
+                return task
+        raise StatisticsError(
+            f"statistics in {stats_dir} have no task for model {path} (they cover "
+            + ", ".join(t.model for t in self.tasks)
+            + "); collect them for this model with mergekit-bmm-stats"
+        )
+
+
+def _model_path(model: Hashable) -> str:
+    inner = getattr(model, "model", None)
+    return str(getattr(inner, "path", model))
+
+
+def write_manifest(stats_dir: str | Path, manifest: StatsManifest) -> None:
+    path = Path(stats_dir) / MANIFEST
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
+    temporary.replace(path)
+
+
+@lru_cache(maxsize=16)
+def _load_manifest(stats_dir: str, stamp: float) -> StatsManifest:
+    path = Path(stats_dir) / MANIFEST
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise StatisticsError(
+            f"{stats_dir} is not a statistics directory (no {MANIFEST}); create it with mergekit-bmm-stats"
+        ) from None
+    except ValueError as error:
+        raise StatisticsError(f"{path} is not valid JSON ({error}); re-run mergekit-bmm-stats") from None
+    if raw.get("format") != FORMAT_NAME or raw.get("format_version") != FORMAT_VERSION:
+        raise StatisticsError(
+            f"{stats_dir} holds statistics format {raw.get('format')!r} version "
+            f"{raw.get('format_version')!r}; this mergekit-bmm reads {FORMAT_NAME!r} version "
+            f"{FORMAT_VERSION}: re-run mergekit-bmm-stats"
+        )
+    try:
+        return StatsManifest.model_validate(raw)
+    except Exception as error:
+        first = str(error).splitlines()[0]
+        raise StatisticsError(f"{path} is malformed ({first}); re-run mergekit-bmm-stats") from None
+
+
+def load_manifest(stats_dir: str | Path) -> StatsManifest:
+    directory = Path(stats_dir)
+    try:
+        stamp = (directory / MANIFEST).stat().st_mtime
+    except OSError:
+        stamp = 0.0
+    return _load_manifest(str(directory), stamp)
+
+
+@lru_cache(maxsize=256)
+def _verified(stats_dir: str, task_name: str, model: str, recorded: str) -> None:
+    actual = model_fingerprint(model)
+    if recorded and actual and actual != recorded:
+        raise StatisticsError(
+            f"statistics in {stats_dir} for task {task_name!r} were made from a different "
+            f"checkpoint than {model} (fingerprint {recorded} vs {actual}); re-run mergekit-bmm-stats"
+        )
+
+
+def activation_grams_for(
+    stats_dir: str | Path, weight_name: str, models: Sequence[Hashable]
+) -> list[torch.Tensor]:
+    """Each model's activation Gram for the input of ``weight_name``, in model order."""
+    directory = Path(stats_dir)
+    manifest = load_manifest(directory)
+    key = manifest.modules.get(weight_name)
+    if key is None:
+        raise StatisticsError(
+            f"statistics in {directory} have no Gram for {weight_name}; they were collected for a "
+            "different architecture or module set — re-run mergekit-bmm-stats"
+        )
+    grams = []
+    for model in models:
+        task = manifest.task_for_model(model, directory)
+        _verified(str(directory), task.name, task.model, task.fingerprint)
+        grams.append(read_gram(directory / GRAM_DIR / task.file, key, task.name))
+    return grams
+
+
+def read_gram(path: Path, key: str, task_name: str = "") -> torch.Tensor:
+    """One stored Gram, as float32 on the CPU."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if key not in handle.keys():
+                raise StatisticsError(
+                    f"{path} lacks the Gram {key} of task {task_name!r}; re-run mergekit-bmm-stats"
+                )
+            return handle.get_tensor(key).to(torch.float32)
+    except FileNotFoundError:
+        raise StatisticsError(f"statistics file {path} is missing; re-run mergekit-bmm-stats") from None
+
+
+def write_grams(path: Path, grams: Mapping[str, torch.Tensor]) -> None:
+    """Atomically write one task's Grams (float32, contiguous)."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    save_file({k: v.detach().to(torch.float32).contiguous().cpu() for k, v in grams.items()}, str(temporary))
+    temporary.replace(path)
