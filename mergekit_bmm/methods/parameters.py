@@ -1,0 +1,229 @@
+"""Parameters of ``merge_method: bmm``: declaration, validation, and the typed view.
+
+Two kinds of parameters reach the kernel:
+
+* BMM's own (``lambda``, ``scale``, ``anchor_method``, ``gram``, ...), validated once
+  when mergekit resolves the recipe, with one-line errors;
+* parameters of the anchor method (``weight``, ``density``, ``alpha``, ...). The spec
+  declares every parameter that any registered method accepts, so mergekit resolves
+  them from the recipe like its own; the kernel forwards to the chosen anchor only
+  those it declares. A name that BMM uses itself (``lambda``, ``epsilon``) reaches the
+  anchor as ``anchor_lambda``/``anchor_epsilon``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pydantic
+import torch
+from mergekit.merge_methods.base import MergeMethodSpec, ParameterScope, ParameterSpec
+
+from mergekit_bmm.errors import ConfigError
+
+PRETRAINED_ANCHOR = "pretrained"
+DEFAULT_ANCHOR = "task_arithmetic"
+GRAM_MODES = ("data_free", "activations", "mix")
+ANCHOR_PREFIX = "anchor_"
+
+
+@dataclass(frozen=True)
+class CheckedParameter(ParameterSpec):
+    """A ParameterSpec whose validation failures are one readable line."""
+
+    check: Callable[[Any], Any] | None = None
+
+    def validate(self, value: Any) -> Any:
+        try:
+            value = super().validate(value)
+        except pydantic.ValidationError:
+            raise ConfigError(
+                f"bmm parameter `{self.name}`: {value!r} is not a valid {self.description or 'value'}"
+            ) from None
+        return self.check(value) if self.check is not None and value is not None else value
+
+
+def _non_negative(name: str) -> Callable[[float], float]:
+    def check(value: float) -> float:
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"bmm parameter `{name}` must be a finite number >= 0; got {value}")
+        return value
+
+    return check
+
+
+def _finite(name: str) -> Callable[[float], float]:
+    def check(value: float) -> float:
+        if not math.isfinite(value):
+            raise ConfigError(f"bmm parameter `{name}` must be a finite number; got {value}")
+        return value
+
+    return check
+
+
+def _unit_interval(value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"bmm parameter `epsilon` must lie in [0, 1]; got {value}")
+    return value
+
+
+def _known_anchor(value: str) -> str:
+    from mergekit.merge_methods import registry
+
+    if value == PRETRAINED_ANCHOR or value in registry._METHODS and value != "bmm":
+        return value
+    known = sorted(name for name in registry._METHODS if name != "bmm")
+    raise ConfigError(
+        f"bmm parameter `anchor_method`: unknown method {value!r}; use `pretrained` or one of: "
+        + ", ".join(known)
+    )
+
+
+def own_parameters() -> tuple[ParameterSpec, ...]:
+    """BMM's own parameters (shared unless noted)."""
+    shared = ParameterScope.SHARED
+    return (
+        CheckedParameter(
+            "lambda", float, shared, default=0.1, description="number >= 0", check=_non_negative("lambda")
+        ),
+        CheckedParameter("scale", float, shared, default=1.0, description="number", check=_finite("scale")),
+        CheckedParameter(
+            "anchor_method",
+            str | None,
+            shared,
+            default=None,
+            description="merge method name",
+            check=_known_anchor,
+        ),
+        CheckedParameter(
+            "gram",
+            Literal["data_free", "activations", "mix"],
+            shared,
+            default="data_free",
+            description="Gram mode (data_free, activations or mix)",
+        ),
+        CheckedParameter(
+            "lambda_mode",
+            Literal["relative", "absolute"],
+            shared,
+            default="relative",
+            description="lambda mode (relative or absolute)",
+        ),
+        CheckedParameter(
+            "epsilon", float, shared, default=0.5, description="number in [0, 1]", check=_unit_interval
+        ),
+        CheckedParameter(
+            "stats", str | None, shared, default=None, description="path to a statistics directory"
+        ),
+        CheckedParameter(
+            "compute_dtype",
+            Literal["float32", "float64"],
+            shared,
+            default="float32",
+            description="compute dtype (float32 or float64)",
+        ),
+        CheckedParameter(
+            "weight_layout",
+            Literal["auto", "out_in", "in_out"],
+            shared,
+            default="auto",
+            description="weight layout (auto, out_in or in_out)",
+        ),
+        CheckedParameter("anchor_seed", int, shared, default=0, description="integer seed"),
+        CheckedParameter(
+            "anchor",
+            bool,
+            ParameterScope.NON_BASE,
+            default=False,
+            description="boolean (marks the input that is the prior)",
+        ),
+    )
+
+
+OWN_NAMES = frozenset(parameter.name for parameter in own_parameters())
+
+
+def forwarded_parameters(methods: Mapping[str, Any]) -> tuple[ParameterSpec, ...]:
+    """Every parameter some other registered method declares, optional and untyped.
+
+    Values are validated by the anchor method itself when it is called. Per-model
+    parameters are declared for the non-base inputs (as mergekit's task-arithmetic
+    family does); shared ones stay shared.
+    """
+    scopes: dict[str, ParameterScope] = {}
+    for name, method in methods.items():
+        if name == "bmm":
+            continue
+        for parameter in method.spec.parameters:
+            key = ANCHOR_PREFIX + parameter.name if parameter.name in OWN_NAMES else parameter.name
+            per_model = parameter.scope != ParameterScope.SHARED
+            if per_model or key not in scopes:
+                scopes[key] = ParameterScope.NON_BASE if per_model else ParameterScope.SHARED
+    return tuple(
+        ParameterSpec(key, Any, scope, default=None, description="forwarded to the anchor method")
+        for key, scope in sorted(scopes.items())
+        if key not in OWN_NAMES
+    )
+
+
+def build_spec(
+    methods: Mapping[str, Any], pretty_name: str, reference_url: str, contract, policy
+) -> MergeMethodSpec:
+    return MergeMethodSpec(
+        name="bmm",
+        parameters=own_parameters() + forwarded_parameters(methods),
+        contract=contract,
+        pretty_name=pretty_name,
+        reference_url=reference_url,
+        optional_tensor_policy=policy,
+        uses_accelerator=True,
+    )
+
+
+@dataclass(frozen=True)
+class BMMSettings:
+    """The typed, per-tensor view of BMM's own parameters."""
+
+    lam: float
+    scale: float
+    anchor_method: str | None
+    gram: str
+    lambda_mode: str
+    epsilon: float
+    stats: str | None
+    compute_dtype: torch.dtype
+    weight_layout: str
+    anchor_seed: int
+
+    @classmethod
+    def from_parameters(cls, parameters: Mapping[str, Any]) -> BMMSettings:
+        dtype = torch.float64 if parameters["compute_dtype"] == "float64" else torch.float32
+        settings = cls(
+            lam=parameters["lambda"],
+            scale=parameters["scale"],
+            anchor_method=parameters["anchor_method"],
+            gram=parameters["gram"],
+            lambda_mode=parameters["lambda_mode"],
+            epsilon=parameters["epsilon"],
+            stats=parameters["stats"],
+            compute_dtype=dtype,
+            weight_layout=parameters["weight_layout"],
+            anchor_seed=parameters["anchor_seed"],
+        )
+        if settings.gram in ("activations", "mix") and not settings.stats:
+            raise ConfigError(
+                f"bmm: `gram: {settings.gram}` needs activation statistics; add `stats: /path/to/stats` "
+                "(made by mergekit-bmm-stats) or use `gram: data_free`"
+            )
+        return settings
+
+
+def anchor_value(parameters: Mapping[str, Any], name: str) -> Any:
+    """The value the user gave for the anchor's parameter ``name`` (None if unset)."""
+    prefixed = parameters.get(ANCHOR_PREFIX + name)
+    if prefixed is not None or name in OWN_NAMES:
+        return prefixed
+    return parameters.get(name)

@@ -1,0 +1,159 @@
+"""Tensor name → (layer index, module group, storage layout): one source of truth.
+
+The merge method, the search's YAML writer and the statistics collector all use this
+map. Groups follow the paper: ``attn_in`` (q/k/v), ``attn_out``, ``mlp_in`` (gate/up,
+fc1) and ``mlp_out`` (down, fc2).
+
+Rules are *substrings*, checked in order, first match wins — exactly how mergekit
+matches a ``filter:`` in a recipe. The search writes the same substrings, in the same
+order, as ``filter:`` entries, so a tensor's λ in YAML is the λ of its group here.
+
+GPT-2's ``Conv1D`` stores weights as (in, out); rules for it carry ``in_out`` and the
+merge transposes before solving. The same names are ordinary ``nn.Linear`` (out, in)
+in some other architectures (gpt_bigcode, starcoder2), so the layout is decided by the
+checkpoint's ``model_type`` when it is known.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ModuleGroup(str, Enum):
+    ATTN_IN = "attn_in"
+    ATTN_OUT = "attn_out"
+    MLP_IN = "mlp_in"
+    MLP_OUT = "mlp_out"
+
+
+GROUP_NAMES: tuple[str, ...] = tuple(group.value for group in ModuleGroup)
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """A substring that puts a layer's 2D weight into a group (``None``: never solved)."""
+
+    pattern: str
+    group: ModuleGroup | None
+    in_out: bool = False
+
+
+_A_IN, _A_OUT, _M_IN, _M_OUT = (
+    ModuleGroup.ATTN_IN,
+    ModuleGroup.ATTN_OUT,
+    ModuleGroup.MLP_IN,
+    ModuleGroup.MLP_OUT,
+)
+
+# Order matters: specific patterns before the generic ones they contain.
+RULES: tuple[GroupRule, ...] = (
+    # Routers of mixture-of-experts layers are not linear maps of the residual stream
+    # that the regression view covers; they keep the anchor.
+    GroupRule("block_sparse_moe.gate.", None),
+    GroupRule("mlp.gate.weight", None),
+    GroupRule("shared_expert_gate", None),
+    GroupRule("router", None),
+    # attention output
+    GroupRule("o_proj", _A_OUT),  # Llama, Mistral, Qwen, Gemma, Phi-3, ...
+    GroupRule("self_attn.out_proj", _A_OUT),  # OPT, BART-style decoders
+    GroupRule("attention.output.dense", _A_OUT),  # BERT, RoBERTa
+    GroupRule("attn.c_proj", _A_OUT, in_out=True),  # GPT-2
+    GroupRule("self_attention.dense", _A_OUT),  # Falcon
+    GroupRule("attention.dense", _A_OUT),  # GPT-NeoX
+    GroupRule("attention.wo", _A_OUT),  # InternLM2
+    # attention input (q/k/v, fused or not)
+    GroupRule("self_attn", _A_IN),
+    GroupRule("attention.self", _A_IN),  # BERT
+    GroupRule("attn.c_attn", _A_IN, in_out=True),  # GPT-2
+    GroupRule("query_key_value", _A_IN),  # Falcon, GPT-NeoX
+    GroupRule("attention.wqkv", _A_IN),  # InternLM2
+    # MLP output
+    GroupRule("down_proj", _M_OUT),
+    GroupRule("mlp.c_proj", _M_OUT, in_out=True),  # GPT-2
+    GroupRule("dense_4h_to_h", _M_OUT),
+    GroupRule("fc2", _M_OUT),
+    GroupRule(".w2.", _M_OUT),  # Mixtral experts
+    GroupRule("feed_forward.w2", _M_OUT),  # InternLM2
+    GroupRule("output.dense", _M_OUT),  # BERT (attention.output.dense matched above)
+    # MLP input
+    GroupRule("mlp.c_fc", _M_IN, in_out=True),  # GPT-2
+    GroupRule("mlp", _M_IN),  # gate/up, gate_up_proj, c_fc, ...
+    GroupRule("block_sparse_moe", _M_IN),  # Mixtral w1/w3
+    GroupRule("feed_forward", _M_IN),
+    GroupRule("intermediate.dense", _M_IN),  # BERT
+    GroupRule("dense_h_to_4h", _M_IN),
+    GroupRule("fc1", _M_IN),
+)
+
+# Where Conv1D (in, out) storage is used, by checkpoint ``model_type``.
+IN_OUT_MODEL_TYPES = frozenset({"gpt2", "openai-gpt", "imagegpt", "decision_transformer"})
+# Architectures that reuse GPT-2's names with ordinary nn.Linear weights.
+OUT_IN_MODEL_TYPES = frozenset({"gpt_bigcode", "starcoder2"})
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """Where a body weight sits and how it is stored."""
+
+    layer: int
+    group: ModuleGroup
+    pattern: str
+    stored_in_out: bool
+
+
+def layer_index(name: str) -> int | None:
+    """The transformer layer a tensor belongs to, or None for embeddings/heads/norms."""
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None
+
+
+def matching_rule(name: str) -> GroupRule | None:
+    """The first rule whose pattern occurs in ``name`` (mergekit's filter semantics)."""
+    return next((rule for rule in RULES if rule.pattern in name), None)
+
+
+def classify(name: str, model_type: str | None = None) -> ModuleInfo | None:
+    """Map a *weight* name to its layer and group; None if BMM should not solve it.
+
+    Only ``*.weight`` tensors inside a numbered layer qualify; callers also require the
+    tensor to be 2D. ``model_type`` (from the checkpoint's config) settles the layout of
+    GPT-2-style names; without it, GPT-2's ``transformer.h.N``/``h.N`` prefix decides.
+    """
+    if not name.endswith(".weight"):
+        return None
+    layer = layer_index(name)
+    if layer is None:
+        return None
+    rule = matching_rule(name)
+    if rule is None or rule.group is None:
+        return None
+    return ModuleInfo(layer, rule.group, rule.pattern, _stored_in_out(rule, name, model_type))
+
+
+def _stored_in_out(rule: GroupRule, name: str, model_type: str | None) -> bool:
+    if not rule.in_out:
+        return False
+    if model_type is not None:
+        if model_type in IN_OUT_MODEL_TYPES:
+            return True
+        if model_type in OUT_IN_MODEL_TYPES:
+            return False
+    return bool(re.match(r"^(?:transformer\.)?h\.\d+\.", name))
+
+
+def filter_rules(names: list[str] | tuple[str, ...]) -> list[GroupRule]:
+    """The rules that decide the group of at least one of ``names``, in rule order.
+
+    This is the ordered ``filter:`` list a recipe needs for one value per group; rules
+    that match none of the model's weights are left out to keep recipes short.
+    """
+    used = set()
+    for name in names:
+        info = classify(name)
+        if info is not None:
+            used.add(info.pattern)
+    return [rule for rule in RULES if rule.pattern in used]

@@ -1,0 +1,27 @@
+"""Register the plugin's methods with mergekit, idempotently.
+
+mergekit's ``register`` raises on a duplicate name, and the plugin may be imported more
+than once per process (start-up hook, explicit import, tests), so check first.
+"""
+
+from __future__ import annotations
+
+from mergekit.merge_methods import registry
+from mergekit.merge_methods.base import MergeMethod
+
+
+def plugin_methods() -> tuple[MergeMethod, ...]:
+    from mergekit_bmm.methods.bmm import BMMMerge
+
+    return (BMMMerge(),)
+
+
+def register_all() -> tuple[str, ...]:
+    """Register every plugin method not yet known to mergekit; return all their names."""
+    names = []
+    for method in plugin_methods():
+        name = method.spec.name
+        if name not in registry._METHODS:
+            registry.register(method)
+        names.append(name)
+    return tuple(names)

@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny models generated locally, and a float64 reference of BMM."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    from mergekit_bmm.tiny_models import make_tiny_family
+
+    return make_tiny_family(tmp_path_factory.mktemp("llama"), "llama", n_experts=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    from mergekit_bmm.tiny_models import make_tiny_family
+
+    return make_tiny_family(tmp_path_factory.mktemp("qwen2"), "qwen2", n_experts=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory):
+    from mergekit_bmm.tiny_models import make_tiny_family
+
+    return make_tiny_family(tmp_path_factory.mktemp("gpt2"), "gpt2", n_experts=2)
+
+
+def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    denominator = expected.norm().item() or 1.0
+    return (actual.double() - expected).norm().item() / denominator
+
+
+def reference_solve(
+    task_vectors: list[torch.Tensor],
+    anchor: torch.Tensor,
+    lam: float,
+    grams: list[torch.Tensor] | None = None,
+    relative: bool = True,
+) -> torch.Tensor:
+    """The BMM MAP in float64 straight from the paper's formula (λ' > 0)."""
+    vectors = [u.double() for u in task_vectors]
+    if grams is None:
+        grams = [u.T @ u for u in vectors]
+    grams = [g.double() for g in grams]
+    gram = sum(grams)
+    cross = sum(u @ g for u, g in zip(vectors, grams))
+    d_in = gram.shape[0]
+    ridge = lam * gram.trace().item() / d_in if relative else lam
+    system = gram + ridge * torch.eye(d_in, dtype=torch.float64)
+    return torch.linalg.solve(system, (cross + ridge * anchor.double()).T).T
