@@ -29,8 +29,10 @@ from mergekit.merge_methods.base import (
 
 from mergekit_bmm import closed_form
 from mergekit_bmm.errors import TensorInputError
+from mergekit_bmm.factor_cache import FactorCache
+from mergekit_bmm.methods import cache_key
 from mergekit_bmm.methods.anchor import anchor_weight, resolve_anchor_method
-from mergekit_bmm.methods.parameters import BMMSettings, build_spec
+from mergekit_bmm.methods.parameters import PRETRAINED_ANCHOR, BMMSettings, build_spec
 from mergekit_bmm.module_map import classify, layer_index
 
 LOG = logging.getLogger("mergekit_bmm")
@@ -56,8 +58,8 @@ def model_type_of(entry_id: Any) -> str | None:
     return _model_type_of(path) if isinstance(path, str) else None
 
 
-def check_finite(group: TensorGroup) -> None:
-    for entry in group.entries:
+def check_finite(group: TensorGroup, only_base: bool = False) -> None:
+    for entry in (group.base,) if only_base else group.entries:
         tensor = entry.tensor
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise TensorInputError(
@@ -119,32 +121,73 @@ class BMMMerge(GroupMergeMethod):
 
     def merge_group(self, group: TensorGroup, /, **parameters: Any) -> torch.Tensor:
         settings = BMMSettings.from_parameters(parameters)
-        check_finite(group)
         tasks, anchor_entry = split_entries(group, parameters.get("anchor"))
         method_name = resolve_anchor_method(settings.anchor_method, anchor_entry)
         base = group.base.tensor
-        dtype = settings.compute_dtype
-
-        anchor_full = anchor_weight(
-            group, tasks, anchor_entry, method_name, parameters, dtype, settings.anchor_seed
-        )
         name = group.metadata.name or ""
         info = classify(name, model_type_of(group.base.id)) if base.ndim == 2 else None
+        cache = FactorCache(settings.cache) if settings.cache else None
+        key_inputs = (settings, group, tasks, anchor_entry, method_name, parameters)
         if info is None or not tasks:
+            check_finite(group)
             if base.ndim == 2 and info is None:
                 _note_unsolved(name)
-            return anchor_full.to(base.dtype)
+            return self.unsolved(group, key_inputs, cache).to(base.dtype)
 
+        dtype = settings.compute_dtype
         transpose = _stored_in_out(settings.weight_layout, info.stored_in_out)
-        base_c = base.to(dtype)
         orient = (lambda m: m.T) if transpose else (lambda m: m)
-        task_vectors = [orient(entry.tensor.to(dtype) - base_c) for entry in tasks]
-        prior = orient(anchor_full - base_c)
-        del anchor_full
+        shape = tuple(orient(base).shape)
+        key = cache_key.factor_key(*key_inputs, transpose) if cache else ""
+        factors = cache.load_factors(name, key, shape, dtype) if cache else None
+        if factors is not None:
+            # The factors were built from (and checked on) exactly these inputs.
+            check_finite(group, only_base=True)
+        else:
+            check_finite(group)
+            base_c = base.to(dtype)
+            anchor_full = anchor_weight(
+                group, tasks, anchor_entry, method_name, parameters, dtype, settings.anchor_seed
+            )
+            task_vectors = [orient(entry.tensor.to(dtype) - base_c) for entry in tasks]
+            prior = orient(anchor_full - base_c)
+            del anchor_full
+            equations = self.normal_equations(settings, group, tasks, task_vectors)
+            if cache is None:
+                merged = closed_form.merge_matrix(equations, prior, settings.lam, settings.lambda_mode)
+                return (base_c + settings.scale * orient(merged)).to(base.dtype)
+            # Factorised once in float64: the cached route is then at least as accurate as
+            # the direct one (see closed_form.eigen_factors); trials solve in `dtype`.
+            factors = closed_form.eigen_factors(equations, prior, torch.float64)
+            del equations, prior, task_vectors
+            factors = cache.store_factors(name, key, factors, settings.cache_dtype, dtype)
+        factors = factors.to(base.device)
+        merged = closed_form.solve_from_factors(factors, factors.ridge(settings.lam, settings.lambda_mode))
+        return (base.to(dtype) + settings.scale * orient(merged)).to(base.dtype)
 
-        equations = self.normal_equations(settings, group, tasks, task_vectors)
-        merged = closed_form.merge_matrix(equations, prior, settings.lam, settings.lambda_mode)
-        return (base_c + settings.scale * orient(merged)).to(base.dtype)
+    def unsolved(self, group: TensorGroup, key_inputs: tuple, cache: FactorCache | None) -> torch.Tensor:
+        """The anchor's result, read from the cache when an anchor method is worth caching.
+
+        Copies (``pretrained``, a marked input) and 1-D tensors are cheaper to recompute
+        than to read back; anything else computed by another method is cached.
+        """
+        settings, _, tasks, anchor_entry, method_name, parameters = key_inputs
+
+        def compute() -> torch.Tensor:
+            dtype, seed = settings.compute_dtype, settings.anchor_seed
+            return anchor_weight(group, tasks, anchor_entry, method_name, parameters, dtype, seed)
+
+        computed = tasks and anchor_entry is None and method_name != PRETRAINED_ANCHOR
+        if cache is None or not computed or group.base.tensor.ndim < 2:
+            return compute()
+        name = group.metadata.name or ""
+        key = cache_key.anchor_key(*key_inputs)
+        stored = cache.load_tensor(name, key, tuple(group.base.tensor.shape))
+        if stored is not None:
+            return stored.to(group.base.tensor.device)
+        result = compute()
+        cache.store_tensor(name, key, result)
+        return result
 
     def normal_equations(
         self,
