@@ -243,8 +243,8 @@ def eigen_factors(
     )
 
 
-def solve_from_factors(factors: EigenFactors, ridge: float) -> torch.Tensor:
-    """``U(λ')`` from cached eigen factors (exact, including λ' = 0 on singular ``G``)."""
+def factor_coefficients(factors: EigenFactors, ridge: float) -> torch.Tensor:
+    """``C Q·a + U0 Q·b``, so that ``U(λ') = coefficients @ Qᵀ``."""
     if ridge < 0 or ridge != ridge:
         raise ConfigError(f"the effective ridge must be >= 0; got {ridge}")
     compute = factors.basis.dtype
@@ -258,10 +258,14 @@ def solve_from_factors(factors: EigenFactors, ridge: float) -> torch.Tensor:
     denominator = torch.where(kept, eigenvalues + ridge, torch.ones_like(eigenvalues))
     data_weight = torch.where(kept, 1.0 / denominator, torch.zeros_like(eigenvalues))
     anchor_weight = torch.where(kept, ridge / denominator, torch.ones_like(eigenvalues))
-    coefficients = (
-        factors.cross_basis.to(compute) * data_weight + factors.anchor_basis.to(compute) * anchor_weight
-    )
-    return coefficients @ factors.basis.T.to(compute)
+    coefficients = factors.anchor_basis.to(compute) * anchor_weight
+    return coefficients.addcmul_(factors.cross_basis.to(compute), data_weight)
+
+
+def solve_from_factors(factors: EigenFactors, ridge: float) -> torch.Tensor:
+    """``U(λ')`` from cached eigen factors (exact, including λ' = 0 on singular ``G``)."""
+    coefficients = factor_coefficients(factors, ridge)
+    return coefficients @ factors.basis.T.to(coefficients.dtype)
 
 
 def solve(equations: NormalEquations, anchor: torch.Tensor, ridge: float) -> torch.Tensor:

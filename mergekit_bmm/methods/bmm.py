@@ -58,8 +58,8 @@ def model_type_of(entry_id: Any) -> str | None:
     return _model_type_of(path) if isinstance(path, str) else None
 
 
-def check_finite(group: TensorGroup, only_base: bool = False) -> None:
-    for entry in (group.base,) if only_base else group.entries:
+def check_finite(group: TensorGroup) -> None:
+    for entry in group.entries:
         tensor = entry.tensor
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise TensorInputError(
@@ -140,10 +140,7 @@ class BMMMerge(GroupMergeMethod):
         shape = tuple(orient(base).shape)
         key = cache_key.factor_key(*key_inputs, transpose) if cache else ""
         factors = cache.load_factors(name, key, shape, dtype) if cache else None
-        if factors is not None:
-            # The factors were built from (and checked on) exactly these inputs.
-            check_finite(group, only_base=True)
-        else:
+        if factors is None:
             check_finite(group)
             base_c = base.to(dtype)
             anchor_full = anchor_weight(
@@ -161,9 +158,9 @@ class BMMMerge(GroupMergeMethod):
             factors = closed_form.eigen_factors(equations, prior, torch.float64)
             del equations, prior, task_vectors
             factors = cache.store_factors(name, key, factors, settings.cache_dtype, dtype)
-        factors = factors.to(base.device)
-        merged = closed_form.solve_from_factors(factors, factors.ridge(settings.lam, settings.lambda_mode))
-        return (base.to(dtype) + settings.scale * orient(merged)).to(base.dtype)
+        # A cache hit does not re-check the inputs for NaN/Inf: they were checked when the
+        # entry was built, and its key ties it to that content.
+        return _merge_from_factors(factors.to(base.device), base, settings, transpose)
 
     def unsolved(self, group: TensorGroup, key_inputs: tuple, cache: FactorCache | None) -> torch.Tensor:
         """The anchor's result, read from the cache when an anchor method is worth caching.
@@ -210,6 +207,23 @@ class BMMMerge(GroupMergeMethod):
         if settings.gram == "activations":
             return few
         return closed_form.mix_equations(few, data_free, settings.epsilon)
+
+
+def _merge_from_factors(
+    factors: closed_form.EigenFactors, base: torch.Tensor, settings: BMMSettings, transpose: bool
+) -> torch.Tensor:
+    """``W_pre + s·U(λ')`` in ``base``'s dtype: the product plus one pass over the weight.
+
+    This is all a cached trial computes, so no pass is spared: the sum is fused into the
+    product when the base is stored in the compute dtype, and otherwise computed in the
+    compute dtype and rounded on the way out.
+    """
+    coefficients = closed_form.factor_coefficients(factors, factors.ridge(settings.lam, settings.lambda_mode))
+    # stored (in, out): W = W_pre + s·Q·coefficientsᵀ
+    left, right = (factors.basis, coefficients.T) if transpose else (coefficients, factors.basis.T)
+    if base.dtype == coefficients.dtype:
+        return torch.addmm(base, left, right, alpha=settings.scale)
+    return torch.add(base, left @ right, alpha=settings.scale, out=torch.empty_like(base))
 
 
 def _stored_in_out(weight_layout: str, detected: bool) -> bool:

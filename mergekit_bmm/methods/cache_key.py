@@ -5,8 +5,8 @@ A key is canonical JSON with:
 * the format, this package's and mergekit's versions, the tensor name;
 * every input in order, with its role (base, expert, anchor), its name, and its content:
   for mergekit's model references the checkpoint fingerprint
-  (:func:`~mergekit_bmm.fingerprint.model_fingerprint`) plus a hash of 4096 evenly spaced
-  elements of the tensor actually handed to the kernel (so an in-place rewrite that
+  (:func:`~mergekit_bmm.fingerprint.model_fingerprint`) plus a hash of 16 evenly spaced
+  runs of 256 elements of the tensor actually handed to the kernel (so an in-place rewrite that
   mergekit's loader cache still serves stale, or a fingerprint that misses an edit, cannot
   pass); for plain ids (Python API) a hash of the whole tensor. Shape and dtype too: the
   recipe's ``dtype`` rounds the inputs before BMM sees them;
@@ -35,7 +35,8 @@ from mergekit_bmm.fingerprint import file_fingerprint, model_fingerprint
 from mergekit_bmm.methods.anchor import anchor_dependencies
 from mergekit_bmm.methods.parameters import BMMSettings
 
-SAMPLE_ELEMENTS = 4096
+SAMPLE_RUNS = 16
+SAMPLE_RUN = 256
 
 
 @lru_cache(maxsize=1)
@@ -57,11 +58,15 @@ def content_digest(tensor: torch.Tensor) -> str:
 
 
 def sample_digest(tensor: torch.Tensor) -> str:
-    """Hash of ``SAMPLE_ELEMENTS`` evenly spaced elements (cheap for any size)."""
+    """Hash of ``SAMPLE_RUNS`` evenly spaced runs of ``SAMPLE_RUN`` elements.
+
+    Runs of consecutive elements touch a few pages of a memory-mapped checkpoint where
+    single elements spread over the tensor would fault in every page of it.
+    """
     flat = tensor.detach().reshape(-1)
-    if flat.numel() > SAMPLE_ELEMENTS:
-        index = torch.linspace(0, flat.numel() - 1, SAMPLE_ELEMENTS, device=flat.device).long()
-        flat = flat[index]
+    if flat.numel() > SAMPLE_RUNS * SAMPLE_RUN:
+        starts = torch.linspace(0, flat.numel() - SAMPLE_RUN, SAMPLE_RUNS).long().tolist()
+        flat = torch.cat([flat[start : start + SAMPLE_RUN] for start in starts])
     return hashlib.sha256(_tensor_bytes(flat)).hexdigest()[:32]
 
 
