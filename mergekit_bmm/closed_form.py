@@ -26,7 +26,7 @@ of producing NaN.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -179,6 +179,11 @@ class EigenFactors:
     of ``max diag G``), eigenvalues below the zero tolerance get ``a = 0, b = 1`` instead,
     exactly as that fallback does; above it no eigenvalue is clipped, as in the Cholesky
     solve (clipping there would drop real, small directions of ``G``).
+
+    Factors may be stored at a lower precision than the solve (float16 in a cache), as
+    matrices whose columns are multiplied by ``*_scale`` vectors; the scales are folded
+    into ``a`` and ``b``, so no rescaled copy of a matrix is ever made. The eigenvalues'
+    dtype is the dtype of the solve.
     """
 
     basis: torch.Tensor
@@ -187,6 +192,9 @@ class EigenFactors:
     anchor_basis: torch.Tensor
     mean_eigenvalue: float
     diagonal_max: float | None = None
+    basis_scale: torch.Tensor | None = None
+    cross_scale: torch.Tensor | None = None
+    anchor_scale: torch.Tensor | None = None
 
     @property
     def d_in(self) -> int:
@@ -194,14 +202,12 @@ class EigenFactors:
 
     def to(self, device: torch.device | str) -> EigenFactors:
         """The same factors on ``device`` (no copy when already there)."""
-        return EigenFactors(
-            basis=self.basis.to(device),
-            eigenvalues=self.eigenvalues.to(device),
-            cross_basis=self.cross_basis.to(device),
-            anchor_basis=self.anchor_basis.to(device),
-            mean_eigenvalue=self.mean_eigenvalue,
-            diagonal_max=self.diagonal_max,
-        )
+        moved = {
+            field.name: value.to(device) if isinstance(value, torch.Tensor) else value
+            for field in fields(self)
+            if (value := getattr(self, field.name)) is not None
+        }
+        return EigenFactors(**moved)
 
     def ridge(self, lam: float, mode: LambdaMode = "relative") -> float:
         if lam < 0 or lam != lam:
@@ -244,11 +250,11 @@ def eigen_factors(
 
 
 def factor_coefficients(factors: EigenFactors, ridge: float) -> torch.Tensor:
-    """``C Q·a + U0 Q·b``, so that ``U(λ') = coefficients @ Qᵀ``."""
+    """``C Q·a + U0 Q·b``, so that ``U(λ') = coefficients @ basisᵀ`` (the stored basis)."""
     if ridge < 0 or ridge != ridge:
         raise ConfigError(f"the effective ridge must be >= 0; got {ridge}")
-    compute = factors.basis.dtype
-    eigenvalues = factors.eigenvalues.to(compute)
+    eigenvalues = factors.eigenvalues
+    compute = eigenvalues.dtype
     scale = factors.diagonal_max if factors.diagonal_max is not None else float(eigenvalues.max())
     if _ridge_is_regular(ridge, scale, factors.d_in, compute):
         eigenvalues = eigenvalues.clamp_min(0.0)
@@ -258,8 +264,16 @@ def factor_coefficients(factors: EigenFactors, ridge: float) -> torch.Tensor:
     denominator = torch.where(kept, eigenvalues + ridge, torch.ones_like(eigenvalues))
     data_weight = torch.where(kept, 1.0 / denominator, torch.zeros_like(eigenvalues))
     anchor_weight = torch.where(kept, ridge / denominator, torch.ones_like(eigenvalues))
-    coefficients = factors.anchor_basis.to(compute) * anchor_weight
-    return coefficients.addcmul_(factors.cross_basis.to(compute), data_weight)
+    for scale, weights in (
+        (factors.cross_scale, (data_weight,)),
+        (factors.anchor_scale, (anchor_weight,)),
+        (factors.basis_scale, (data_weight, anchor_weight)),
+    ):
+        for weight in weights if scale is not None else ():
+            weight.mul_(scale.to(compute))
+    # Mixed-precision operands are widened element by element: no converted copies.
+    coefficients = torch.mul(factors.anchor_basis, anchor_weight)
+    return coefficients.addcmul_(factors.cross_basis, data_weight)
 
 
 def solve_from_factors(factors: EigenFactors, ridge: float) -> torch.Tensor:

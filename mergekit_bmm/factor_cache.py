@@ -76,12 +76,6 @@ def _encode(name: str, matrix: torch.Tensor, dtype: torch.dtype) -> dict[str, to
     return {name: (matrix / scale.to(matrix.dtype)).to(torch.float16), name + SCALE_SUFFIX: scale}
 
 
-def _decode(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
-    matrix = tensors[name].to(dtype)
-    scale = tensors.get(name + SCALE_SUFFIX)
-    return matrix if scale is None else matrix.mul_(scale.to(dtype))
-
-
 def _factor_tensors(
     factors: EigenFactors, dtype: torch.dtype, compute: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -97,13 +91,11 @@ SCALARS = ("mean_eigenvalue", "diagonal_max")
 def _factors_from(
     tensors: dict[str, torch.Tensor], scalars: dict[str, float], compute: torch.dtype
 ) -> EigenFactors:
-    return EigenFactors(
-        basis=_decode(tensors, "basis", compute),
-        eigenvalues=tensors["eigenvalues"].to(compute),
-        cross_basis=_decode(tensors, "cross_basis", compute),
-        anchor_basis=_decode(tensors, "anchor_basis", compute),
-        **scalars,
-    )
+    matrices = {name: tensors[name] for name in MATRICES}
+    if next(iter(matrices.values())).dtype != torch.float16:
+        matrices = {name: matrix.to(compute) for name, matrix in matrices.items()}
+    scales = {name.removesuffix("_basis") + "_scale": tensors.get(name + SCALE_SUFFIX) for name in MATRICES}
+    return EigenFactors(eigenvalues=tensors["eigenvalues"].to(compute), **matrices, **scales, **scalars)
 
 
 class FactorCache:

@@ -84,6 +84,16 @@ def test_reading_merges_equal_the_filling_merge_and_skip_the_factorisation(tmp_p
     )
 
 
+def test_bfloat16_inputs_come_back_in_bfloat16(tmp_path):
+    tensors = inputs(seed=10, dtype=torch.bfloat16)
+    direct = bmm(tensors, **{"lambda": 0.3, "scale": 0.9})
+    cached = bmm(tensors, cache=str(tmp_path), **{"lambda": 0.3, "scale": 0.9})
+    assert cached.dtype == torch.bfloat16
+    # Both round the same float32 W to bfloat16; they may differ by one unit in the last place.
+    ulp = torch.finfo(torch.bfloat16).eps * direct.float().abs().max()
+    assert (cached.float() - direct.float()).abs().max() <= 2 * ulp
+
+
 def test_float64_cache_is_tighter(tmp_path):
     tensors = inputs(seed=2, dtype=torch.float64)
     for lam in (0.0, 0.05, 1.0):

@@ -5,6 +5,10 @@ anchor-regularised closed form ``W = W_pre + s·U``; every other tensor (embeddi
 ``lm_head``, norms, biases, routers, names the module map does not know) gets the
 anchor's result unchanged. Inputs arrive one tensor at a time through mergekit's lazy
 loader, so memory stays at one module's tensors (T experts + base + anchor).
+
+With ``cache: DIR`` the λ-independent eigen factors of each solved tensor are stored
+once (:mod:`mergekit_bmm.factor_cache`, keyed by :mod:`~mergekit_bmm.methods.cache_key`)
+and every later merge with any λ and s is a single product per tensor.
 """
 
 from __future__ import annotations
@@ -220,7 +224,8 @@ def _merge_from_factors(
     """
     coefficients = closed_form.factor_coefficients(factors, factors.ridge(settings.lam, settings.lambda_mode))
     # stored (in, out): W = W_pre + s·Q·coefficientsᵀ
-    left, right = (factors.basis, coefficients.T) if transpose else (coefficients, factors.basis.T)
+    basis = factors.basis.to(coefficients.dtype)
+    left, right = (basis, coefficients.T) if transpose else (coefficients, basis.T)
     if base.dtype == coefficients.dtype:
         return torch.addmm(base, left, right, alpha=settings.scale)
     return torch.add(base, left @ right, alpha=settings.scale, out=torch.empty_like(base))
