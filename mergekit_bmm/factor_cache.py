@@ -9,7 +9,8 @@ File layout: ``<cache>/<tensor name>.<digest>.safetensors`` where ``digest`` has
 *key*, a canonical JSON text describing everything the factors depend on (built by
 :mod:`mergekit_bmm.methods.cache_key`). The full key is also stored in the file's
 metadata and must match on reading, with a CRC-32 of every stored tensor: a stale,
-truncated or corrupt file is ignored (with a log line) and rewritten, never used.
+truncated or corrupt file is ignored (with a log line) and rewritten, never used. (A process
+checks an entry's CRCs the first time it reads it, and again only if the file changed.)
 
 Writes go to a unique temporary file in the same directory and are renamed into place
 (atomic on POSIX), so concurrent processes filling one cache at most do the same work
@@ -49,6 +50,12 @@ MATRICES = ("basis", "cross_basis", "anchor_basis")
 SCALE_SUFFIX = ".scale"
 ANCHOR = "anchor"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
+
+
+# Entries whose checksums this process has verified, with the file's identity then. Cache
+# files are only ever replaced (new inode), never rewritten in place, so a search that
+# reads an entry once per trial checks its CRCs on the first read only.
+_VERIFIED: dict[str, tuple[int, int, int, int]] = {}
 
 
 class CorruptEntry(Exception):
@@ -151,8 +158,12 @@ class FactorCache:
     def _read(
         self, path: Path, key: str, expected: dict[str, tuple[int, ...]]
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
-        if not path.is_file():
+        try:
+            status = path.stat()
+        except OSError:
             return None
+        stamp = (status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+        verified = _VERIFIED.get(str(path)) == stamp
         try:
             with safe_open(str(path), framework="pt") as handle:
                 metadata = handle.metadata() or {}
@@ -170,7 +181,7 @@ class FactorCache:
                     want = expected.get(name)
                     if want is not None and tuple(tensor.shape) != tuple(want):
                         raise CorruptEntry(f"{name} has shape {tuple(tensor.shape)}, expected {want}")
-                    if checksum(tensor) != sums[name]:
+                    if not verified and checksum(tensor) != sums[name]:
                         raise CorruptEntry(f"checksum of {name} does not match")
                     tensors[name] = tensor
         except CorruptEntry as error:
@@ -178,6 +189,7 @@ class FactorCache:
         except (SafetensorError, OSError, ValueError, RuntimeError) as error:
             reason = " ".join(str(error).split())[:200] or type(error).__name__
             return self._reject(path, f"unreadable: {reason}")
+        _VERIFIED[str(path)] = stamp
         return tensors, metadata
 
     @staticmethod

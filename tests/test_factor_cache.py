@@ -220,6 +220,7 @@ def test_statistics_and_epsilon_are_keyed(tmp_path):
 def test_a_damaged_entry_is_ignored_logged_and_rewritten(tmp_path, caplog, factorisations, damage):
     tensors = inputs(seed=7)
     first = bmm(tensors, cache=str(tmp_path))
+    assert torch.equal(bmm(tensors, cache=str(tmp_path)), first)  # read and verified once
     (name,) = entries(tmp_path)
     path = tmp_path / name
     data = path.read_bytes()
