@@ -47,6 +47,7 @@ LOG = logging.getLogger("mergekit_bmm")
 
 CACHE_FORMAT = "mergekit-bmm-factors/1"
 MATRICES = ("basis", "cross_basis", "anchor_basis")
+SCALARS = ("mean_eigenvalue", "diagonal_max")
 SCALE_SUFFIX = ".scale"
 ANCHOR = "anchor"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
@@ -90,9 +91,6 @@ def _factor_tensors(
     for name in MATRICES:
         tensors.update(_encode(name, getattr(factors, name), dtype))
     return tensors
-
-
-SCALARS = ("mean_eigenvalue", "diagonal_max")
 
 
 def _factors_from(
