@@ -18,7 +18,7 @@ Timings are the minimum (and median) over repeats; the machine is shared, run it
 ``nice``. Every merge runs in this process through ``mergekit.merge.run_merge``, which is
 what a search does per trial (no interpreter start-up in the figures).
 
-    nice -n 10 python bench/search_trial.py            # ~5 min after the model exists
+    nice -n 10 python bench/search_trial.py    # ~15 min on 2 cores once the model exists
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# On a CPU shared with other jobs, OpenMP threads that spin while waiting made LAPACK's
+# multithreaded eigendecomposition (the filling trial) 10-60× slower here; sleeping waits
+# cost nothing measurable elsewhere. Set OMP_WAIT_POLICY=ACTIVE to see the default.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 from mergekit.merge_methods.base import TensorGroup  # noqa: E402
@@ -318,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(
         f"search trial cost: {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
-        f"T = {args.experts}, torch threads {torch.get_num_threads()} (seconds: min and median of runs)"
+        f"T = {args.experts}, torch threads {torch.get_num_threads()}, OMP_WAIT_POLICY="
+        f"{os.environ['OMP_WAIT_POLICY']} (seconds: min and median of runs)"
     )
     header = f"{'phase':<48} {'runs':>4} {'min s':>8} {'median s':>9} {'RSS MiB':>8} {'private MiB':>12}"
     print(header)

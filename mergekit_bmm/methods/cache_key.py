@@ -6,10 +6,11 @@ A key is canonical JSON with:
 * every input in order, with its role (base, expert, anchor), its name, and its content:
   for mergekit's model references the checkpoint fingerprint
   (:func:`~mergekit_bmm.fingerprint.model_fingerprint`) plus a hash of 16 evenly spaced
-  runs of 256 elements of the tensor actually handed to the kernel (so an in-place rewrite that
-  mergekit's loader cache still serves stale, or a fingerprint that misses an edit, cannot
-  pass); for plain ids (Python API) a hash of the whole tensor. Shape and dtype too: the
-  recipe's ``dtype`` rounds the inputs before BMM sees them;
+  runs of 256 elements of the tensor actually handed to the kernel (an in-place rewrite that
+  mergekit's loader cache still serves stale, or an edit the file fingerprint's samples
+  miss, is caught unless it leaves every sampled run unchanged); for plain ids (Python API)
+  a hash of the whole tensor. Shape and dtype too: the recipe's ``dtype`` rounds the
+  inputs before BMM sees them;
 * the anchor: method, the parameters forwarded to it, ``anchor_seed`` — or which input is
   marked ``anchor: true``;
 * for solved tensors: the Gram mode, the statistics' fingerprint (``activations``/``mix``),
