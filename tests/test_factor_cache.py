@@ -264,6 +264,11 @@ def test_cache_that_is_a_file_is_a_config_error(tmp_path):
         bmm(inputs(), cache=str(target))
 
 
+def test_unknown_cache_dtype_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cache_dtype"):
+        bmm(inputs(), cache=str(tmp_path), cache_dtype="bfloat16")
+
+
 def test_an_unwritable_cache_only_logs(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("x")
