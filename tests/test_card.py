@@ -340,3 +340,14 @@ def test_search_card_for_a_folder_merged_without_card(tiny_llama, tmp_path):
 def test_search_card_needs_a_summary(tmp_path):
     with pytest.raises(ConfigError, match="has no summary.json"):
         write_search_card(tmp_path, tmp_path)
+
+
+def test_hub_ids_are_known_without_asking_the_hub(tmp_path):
+    from mergekit_bmm.recipe_view import hub_id_of, local_folder
+
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.2-1B" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    assert hub_id_of(str(snapshot), local_folder(str(snapshot))) == "meta-llama/Llama-3.2-1B"
+    assert hub_id_of("org/model", local_folder("org/model")) == "org/model"  # not local: fetched from the Hub
+    assert hub_id_of(str(tmp_path), local_folder(str(tmp_path))) is None
+    assert hub_id_of("/no/such/folder", None) is None
