@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict
 
 from mergekit_bmm.errors import BMMError, ConfigError
@@ -100,15 +99,6 @@ def weight_names_for(out_dir: Path | None, view_base: str | None) -> list[str] |
     return None
 
 
-def _base_path(recipe_text: str) -> str | None:
-    try:
-        raw = yaml.safe_load(recipe_text) or {}
-    except yaml.YAMLError:
-        return None
-    base = raw.get("base_model") if isinstance(raw, dict) else None
-    return str(base).split("+", 1)[0] if base else None
-
-
 def view_of(recipe_text: str, out_dir: Path | None = None) -> RecipeView:
     """Parse the recipe; resolve λ/s against the merged (or base) weights' names."""
     from mergekit_bmm.recipe_view import parse_recipe
@@ -116,7 +106,8 @@ def view_of(recipe_text: str, out_dir: Path | None = None) -> RecipeView:
     config, _ = parse_recipe(recipe_text)
     spec = _method_spec(config.merge_method)
     parameters = list(spec.parameters) if spec is not None else None
-    names = weight_names_for(out_dir, _base_path(recipe_text)) if parameters else None
+    base = config.base_model.model.path if config.base_model is not None else None
+    names = weight_names_for(out_dir, base) if parameters else None
     return describe_recipe(recipe_text, names, parameters)
 
 
