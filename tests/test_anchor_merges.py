@@ -33,6 +33,15 @@ ALGORITHMS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """These tensors are tiny: on a shared 2-core machine, thread hand-offs cost more than the math."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def run(config: dict, out: Path) -> dict[str, torch.Tensor]:
     from mergekit.config import MergeConfiguration
     from mergekit.merge import run_merge
@@ -168,7 +177,11 @@ def test_stock_mergekit_yaml_runs_an_anchor_method(tiny_llama, tmp_path):
     path.write_text(yaml.safe_dump(config))
     command = [str(Path(sys.executable).parent / "mergekit-yaml"), str(path), str(tmp_path / "out")]
     result = subprocess.run(
-        command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300
+        command,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     expected = expected_merge(tiny_llama, lambda vectors, name: tsv_merge(vectors), scale=0.8)
