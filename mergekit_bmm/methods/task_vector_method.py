@@ -15,6 +15,7 @@ if the inputs are) on the device mergekit put the inputs on:
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any
@@ -105,6 +106,7 @@ class TaskVectorMethod(GroupMergeMethod):
     def check_parameters(self, parameters: dict[str, Any]) -> None:
         """Called once per tensor before any work (e.g. a required statistics directory)."""
 
+    @abstractmethod
     def merge_matrix(
         self,
         task_vectors: Sequence[torch.Tensor],
@@ -113,7 +115,6 @@ class TaskVectorMethod(GroupMergeMethod):
         parameters: dict[str, Any],
     ) -> torch.Tensor:
         """The merged task vector of one 2D body weight, given in ``(out, in)`` orientation."""
-        raise NotImplementedError
 
     def merge_group(self, group: TensorGroup, /, **parameters: Any) -> torch.Tensor:
         base = group.base.tensor
