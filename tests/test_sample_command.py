@@ -226,3 +226,62 @@ def test_improper_posterior_refused_and_nothing_left_behind(tiny_llama, tmp_path
             config, tmp_path / "out", SamplingRequest(2, beta=1.0, name_filter="down_proj"), options()
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_posterior_uses_the_activation_gram_and_refuses_foreign_statistics(tiny_llama, tmp_path):
+    """``gram: activations``: Σ_row = β⁻¹(Σ_t G_t + λ'I)⁻¹ with the statistics' Grams."""
+    from mergekit_bmm.fingerprint import model_fingerprint
+    from mergekit_bmm.stats.store import StatsManifest, TaskStats, write_grams, write_manifest
+
+    generator = torch.Generator().manual_seed(5)
+    base = load_weights(tiny_llama.base)
+    names = [n for n, t in base.items() if t.ndim == 2 and ".layers." in n and "norm" not in n]
+
+    def write_stats(directory, fingerprint_of):
+        grams, tasks = {}, []
+        for path in tiny_llama.experts:
+            task_grams = {}
+            for name in names:
+                x = torch.randn(base[name].shape[1], 300, generator=generator, dtype=torch.float64)
+                task_grams[name] = x @ x.T / 300
+            grams[path] = task_grams
+            write_grams(directory / "grams" / f"{path.name}.safetensors", task_grams)
+            tasks.append(
+                TaskStats(
+                    name=path.name,
+                    model=str(path),
+                    fingerprint=fingerprint_of(path),
+                    file=f"{path.name}.safetensors",
+                    samples=30,
+                    tokens=300,
+                )
+            )
+        write_manifest(
+            directory, StatsManifest(package_version="test", tasks=tasks, modules={n: n for n in names})
+        )
+        return grams
+
+    grams = write_stats(tmp_path / "stats", model_fingerprint)
+    config = recipe(tiny_llama, gram="activations", stats=str(tmp_path / "stats"))
+    gram = sum(g[TARGET].float().double() for g in grams.values())
+    ridge = LAMBDA * gram.trace().item() / gram.shape[0]
+    beta = 1e4
+    summary = sample_models(
+        config, tmp_path / "out", SamplingRequest(2, beta=beta, name_filter=TARGET), options()
+    )
+    assert summary.tensors[0].ridge == pytest.approx(ridge, rel=1e-4)
+    whitener = torch.linalg.cholesky(beta * (gram + ridge * torch.eye(gram.shape[0], dtype=torch.float64)))
+    noises = torch.stack([noise_of(tmp_path / "out" / m, tmp_path / "out" / "map") for m in summary.members])
+    assert_standard_normal(noises @ whitener)
+
+    write_stats(tmp_path / "foreign", lambda path: model_fingerprint(tiny_llama.base))
+    foreign = recipe(tiny_llama, gram="activations", stats=str(tmp_path / "foreign"))
+    with pytest.raises(Exception) as caught:
+        sample_models(
+            foreign, tmp_path / "out2", SamplingRequest(2, beta=beta, name_filter=TARGET), options()
+        )
+    from mergekit_bmm.errors import StatisticsError, find_bmm_error
+
+    assert isinstance(find_bmm_error(caught.value), StatisticsError)
+    assert "different checkpoint" in str(find_bmm_error(caught.value))
+    assert not (tmp_path / "out2").exists()
