@@ -43,6 +43,14 @@ def test_covariance_matches_the_paper_formula():
     assert relative_error(u_map, reference_solve(vectors, anchor, 0.2)) < 1e-12
 
 
+def test_posterior_from_the_merge_eigen_factors():
+    """A merge that already diagonalised G (closed_form.eigen_factors) needs no second eigh."""
+    vectors, anchor, equations, ridge, _ = small_problem()
+    factors = closed_form.eigen_factors(equations, anchor)
+    posterior = RowPosterior.from_eigen(factors.eigenvalues, factors.basis, ridge, 3.0, torch.float64)
+    assert relative_error(posterior.covariance(), reference_covariance(vectors, ridge, 3.0)) < 1e-12
+
+
 def test_empirical_mean_and_row_covariance_match():
     """Many draws of a 6×5 tensor: mean → U_MAP, pooled row covariance → Σ_row.
 

@@ -150,7 +150,7 @@ class BMMMerge(GroupMergeMethod):
             ridge = closed_form.effective_ridge(settings.lam, equations, settings.lambda_mode)
             solved_tensors.report(
                 SolvedTensor(
-                    name, equations, ridge, merged, base_c, settings.scale, transpose, base.dtype, dtype
+                    name, equations.gram, ridge, merged, base_c, settings.scale, transpose, base.dtype, dtype
                 )
             )
         return (base_c + settings.scale * orient(merged)).to(base.dtype)

@@ -15,15 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mergekit_bmm.closed_form import NormalEquations
-
 
 @dataclass(frozen=True)
 class SolvedTensor:
     """One tensor as the kernel solved it; matrices in the solve's (out, in) orientation."""
 
     name: str
-    equations: NormalEquations
+    gram: torch.Tensor | None  # G, or None when ``eigen`` = (Λ, Q) of G is given instead
     ridge: float
     merged: torch.Tensor
     base: torch.Tensor
@@ -31,6 +29,7 @@ class SolvedTensor:
     transposed: bool
     storage_dtype: torch.dtype
     compute_dtype: torch.dtype
+    eigen: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def weight(self, task_vector: torch.Tensor) -> torch.Tensor:
         """``W_pre + s·U`` in storage layout and dtype: the kernel's own output formula."""

@@ -60,7 +60,24 @@ class RowPosterior:
         solve_dtype: torch.dtype = torch.float32,
         name: str = "this tensor",
     ) -> RowPosterior:
-        """Factorise ``G + λ'I`` once (float64).
+        """Factorise ``G + λ'I`` once: ``G = QΛQᵀ`` in float64."""
+        gram = gram.detach().to(device="cpu", dtype=torch.float64)
+        if not bool(torch.isfinite(gram).all()):
+            raise ConfigError(f"the Gram of {name} contains NaN or Inf; cannot sample its posterior")
+        eigenvalues, basis = torch.linalg.eigh(0.5 * (gram + gram.T))
+        return cls.from_eigen(eigenvalues, basis, ridge, beta, solve_dtype, name)
+
+    @classmethod
+    def from_eigen(
+        cls,
+        eigenvalues: torch.Tensor,
+        basis: torch.Tensor,
+        ridge: float,
+        beta: float,
+        solve_dtype: torch.dtype = torch.float32,
+        name: str = "this tensor",
+    ) -> RowPosterior:
+        """From an existing eigendecomposition of ``G`` (e.g. ``closed_form.EigenFactors``).
 
         Eigenvalues of ``G`` at or below the merge's own zero tolerance (``closed_form``,
         for the dtype the merge solved in) are exact zeros, as in the MAP solve. With
@@ -70,18 +87,16 @@ class RowPosterior:
         beta = check_beta(beta)
         if ridge < 0 or ridge != ridge:
             raise ConfigError(f"the effective ridge of {name} must be >= 0; got {ridge}")
-        gram = gram.detach().to(device="cpu", dtype=torch.float64)
-        if not bool(torch.isfinite(gram).all()):
-            raise ConfigError(f"the Gram of {name} contains NaN or Inf; cannot sample its posterior")
-        eigenvalues, basis = torch.linalg.eigh(0.5 * (gram + gram.T))
+        eigenvalues = eigenvalues.detach().to(device="cpu", dtype=torch.float64)
+        basis = basis.detach().to(device="cpu", dtype=torch.float64)
         largest = float(eigenvalues.max()) if eigenvalues.numel() else 0.0
-        tolerance = zero_tolerance(largest, gram.shape[0], solve_dtype)
+        tolerance = zero_tolerance(largest, basis.shape[0], solve_dtype)
         eigenvalues = torch.where(eigenvalues > tolerance, eigenvalues, torch.zeros_like(eigenvalues))
         if ridge <= 0 and bool((eigenvalues == 0).any()):
             rank = int((eigenvalues > 0).sum())
             raise ConfigError(
                 f"cannot sample {name}: lambda is 0 and its Gram is singular (rank {rank} of "
-                f"{gram.shape[0]}), so the posterior is improper; give this tensor lambda > 0 "
+                f"{basis.shape[0]}), so the posterior is improper; give this tensor lambda > 0 "
                 "or leave it out with --filter"
             )
         return cls(basis=basis, precisions=eigenvalues + ridge, beta=beta)

@@ -172,9 +172,15 @@ class Sampler:
             return factor, record
         if math.isinf(self.request.beta):
             return None, record  # the MAP itself: no factorisation needed
-        posterior = RowPosterior.from_gram(
-            solved.equations.gram, solved.ridge, self.request.beta, solved.compute_dtype, solved.name
-        )
+        if solved.eigen is not None:
+            eigenvalues, basis = solved.eigen
+            posterior = RowPosterior.from_eigen(
+                eigenvalues, basis, solved.ridge, self.request.beta, solved.compute_dtype, solved.name
+            )
+        else:
+            posterior = RowPosterior.from_gram(
+                solved.gram, solved.ridge, self.request.beta, solved.compute_dtype, solved.name
+            )
         record.noise_std = posterior.rms_std()
         record.posterior_std_at_beta_1 = posterior.rms_std(1.0)
         return posterior.noise_factor().to(merged.device), record
