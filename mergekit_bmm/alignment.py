@@ -248,34 +248,36 @@ def plot_alignment(summaries: Sequence[TaskSummary], path: Path) -> None:
     names = [s.task for s in summaries]
     means = [s.mean for s in summaries]
     stds = [s.std for s in summaries]
-    figure, axis = plt.subplots(figsize=(max(4.0, 1.1 * len(names) + 2), 3.6))
+    figure, axis = plt.subplots(figsize=(max(4.0, 1.1 * len(names) + 1) + 2.2, 3.6))
     positions = range(len(names))
     axis.bar(
         positions, means, yerr=stds, capsize=4, color="#4C72B0", alpha=0.85, label="mean over modules ± std"
     )
     markers = {"attn_in": "o", "attn_out": "s", "mlp_in": "^", "mlp_out": "v"}
-    for group, marker in markers.items():
+    for offset, (group, marker) in zip((-0.27, -0.09, 0.09, 0.27), markers.items()):
         xs = [i for i, s in enumerate(summaries) if group in s.by_group]
         if xs:
             axis.scatter(
-                xs,
+                [x + offset for x in xs],
                 [summaries[i].by_group[group] for i in xs],
                 marker=marker,
                 color="k",
                 s=18,
                 zorder=3,
-                label=group,
+                label=f"{group} mean",
             )
     defined = [m for m in means if not math.isnan(m)]
     if defined:
         overall = sum(defined) / len(defined)
-        axis.axhline(overall, color="#C44E52", linestyle="--", linewidth=1, label=f"mean {overall:.2f}")
+        axis.axhline(
+            overall, color="#C44E52", linestyle="--", linewidth=1, label=f"mean over tasks {overall:.2f}"
+        )
     axis.axhline(0, color="grey", linewidth=0.8)
     axis.set_xticks(list(positions))
     axis.set_xticklabels(names, rotation=20, ha="right")
     axis.set_ylabel(r"$\cos_F(\mathbb{E}[xx^\top],\ U_t^\top U_t)$")
     axis.set_title("Activation Gram vs task-vector Gram (Theorem 1)")
-    axis.legend(fontsize=7, loc="best")
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     figure.savefig(path, dpi=130)
     plt.close(figure)
