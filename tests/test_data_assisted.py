@@ -202,9 +202,10 @@ def test_few_shot_statistics_with_mix(shots, tiny_llama, tmp_path):
         expected = expected_merge(tiny_llama, WEIGHTS, 0.01, "mix", stats, epsilon)
         error, name = worst_error(got, expected)
         assert error < 1e-7, (epsilon, name, error)
-        if epsilon == 0.0:
-            free = expected_merge(tiny_llama, WEIGHTS, 0.01, "data_free")
-            assert worst_error(got, free)[0] < 1e-7, "epsilon 0 is the data-free merge"
+        if epsilon in (0.0, 1.0):
+            mode = "data_free" if epsilon == 0.0 else "activations"
+            alone = expected_merge(tiny_llama, WEIGHTS, 0.01, mode, stats)
+            assert worst_error(got, alone)[0] < 1e-7, f"epsilon {epsilon} is the {mode} merge"
 
     if shots > 1:
         return
