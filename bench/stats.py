@@ -45,6 +45,9 @@ def _job(kind: str, spec: dict, queue) -> None:
     from mergekit_bmm.stats.collect import collect_statistics
     from mergekit_bmm.stats.config import parse_stats_config
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     baseline = _rss_mb()
     start = time.perf_counter()
     if kind == "stats":

@@ -213,15 +213,6 @@ def is_decoder(config: Any) -> bool:
     return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
-def _max_positions(model: torch.nn.Module) -> int | None:
-    config = model.config
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def _batches(sequences: list[list[int]], batch_size: int, pad_id: int, device: torch.device):
     """Right-padded (input_ids, attention_mask) batches, longest first (little padding)."""
     ordered = sorted(sequences, key=len, reverse=True)
@@ -240,31 +231,21 @@ def collect_task(
     task: TaskConfig, config: StatsConfig, device: torch.device, progress: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, str], int, int, str]:
     """One task's mean Grams, module map, sample and token counts, and model type."""
+    # Read the data before loading the expert: a bad file fails in a second.
+    samples = read_samples(task.data, task.text_field, task.max_samples, task.split, task.chat_template)
     model, tokenizer, model_type, decoder = load_expert(task.model, device, DTYPES[config.dtype])
     try:
-        max_length = task.max_length
-        limit = _max_positions(model)
-        if limit is not None and max_length > limit:
-            LOG.warning(
-                "task %s: max_length %d exceeds the model's %d positions; using %d",
-                task.name,
-                max_length,
-                limit,
-                limit,
-            )
-            max_length = limit
-        samples = read_samples(task.data, task.text_field, task.max_samples, task.split, task.chat_template)
-        sequences = tokenize_samples(tokenizer, samples, task.chat_template, max_length)
+        sequences = tokenize_samples(tokenizer, samples, task.chat_template, _max_length(task, model))
         if not sequences:
             raise ConfigError(f"task {task.name!r}: the tokenizer produced no tokens for {task.data}")
         pad_id = tokenizer.pad_token_id
-        if pad_id is None:
+        if pad_id is None:  # padded positions are masked out, any valid id will do
             pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         extra = {"use_cache": False} if decoder else {}
         if decoder and "logits_to_keep" in _forward_parameters(model):
             extra["logits_to_keep"] = 1  # the Grams need no logits; skip the vocabulary projection
         collector = GramCollector(model, model_type)
-        bar = tqdm(total=len(sequences), desc=f"{task.name}", unit="seq", disable=not progress, leave=False)
+        bar = tqdm(total=len(sequences), desc=task.name, unit="seq", disable=not progress, leave=False)
         with collector, torch.inference_mode():
             for ids, mask in _batches(sequences, config.batch_size, pad_id, device):
                 with collector.batch(mask):
@@ -286,6 +267,22 @@ def collect_task(
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _max_length(task: TaskConfig, model: torch.nn.Module) -> int:
+    """``max_length``, capped at the model's position embeddings."""
+    for key in ("max_position_embeddings", "n_positions"):
+        limit = getattr(model.config, key, None)
+        if isinstance(limit, int) and 0 < limit < task.max_length:
+            LOG.warning(
+                "task %s: max_length %d exceeds the model's %d positions; using %d",
+                task.name,
+                task.max_length,
+                limit,
+                limit,
+            )
+            return limit
+    return task.max_length
 
 
 def _forward_parameters(model: torch.nn.Module) -> set[str]:
@@ -318,8 +315,10 @@ def collect_statistics(
         )
 
     # Drop entries about to be recollected first: a crash then never leaves the manifest
-    # describing a file that was already replaced.
-    write_manifest(out, manifest(keep))
+    # describing a file that was already replaced. (A new folder gets its manifest now, so
+    # that a resumed run recognises it.)
+    if existing is None or [t.name for t in keep] != [t.name for t in existing.tasks]:
+        write_manifest(out, manifest(keep))
     for task in dropped:
         (out / GRAM_DIR / task.file).unlink(missing_ok=True)
     if not todo:
