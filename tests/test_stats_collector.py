@@ -27,6 +27,43 @@ def tiny_bert(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_mistral(tmp_path_factory):
+    from mergekit_bmm.tiny_models import make_tiny_family
+
+    return make_tiny_family(tmp_path_factory.mktemp("mistral"), "mistral", n_experts=1, hidden=32, layers=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    """A two-layer Gemma expert (not among the tiny families), saved with the tiny tokenizer."""
+    from types import SimpleNamespace
+
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    from mergekit_bmm.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = GemmaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    path = tmp_path_factory.mktemp("gemma") / "expert-a"
+    GemmaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return SimpleNamespace(experts=(path,))
+
+
+@pytest.fixture(scope="module")
 def calibration(tmp_path_factory) -> Path:
     return write_calibration(tmp_path_factory.mktemp("data") / "calibration.jsonl")
 
@@ -40,7 +77,14 @@ def reference_grams(model_dir: Path, architecture: str, texts: list[str]) -> dic
     import transformers as tf
     from transformers.pytorch_utils import Conv1D
 
-    model_class = {"llama": tf.LlamaForCausalLM, "gpt2": tf.GPT2LMHeadModel, "bert": tf.BertModel}
+    model_class = {
+        "llama": tf.LlamaForCausalLM,
+        "qwen2": tf.Qwen2ForCausalLM,
+        "mistral": tf.MistralForCausalLM,
+        "gemma": tf.GemmaForCausalLM,
+        "gpt2": tf.GPT2LMHeadModel,
+        "bert": tf.BertModel,
+    }
     model = model_class[architecture].from_pretrained(model_dir).eval()
     tokenizer = tf.AutoTokenizer.from_pretrained(model_dir)
     sums: dict[str, torch.Tensor] = {}
@@ -64,7 +108,7 @@ def reference_grams(model_dir: Path, architecture: str, texts: list[str]) -> dic
     return {name: total / tokens for name, total in sums.items()}, tokens
 
 
-@pytest.mark.parametrize("architecture", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral", "gemma", "gpt2", "bert"])
 def test_grams_match_explicit_hooks(architecture, request, calibration, tmp_path):
     family = request.getfixturevalue(f"tiny_{architecture}")
     expert = family.experts[0]
@@ -92,19 +136,20 @@ def test_grams_match_explicit_hooks(architecture, request, calibration, tmp_path
         assert grams["transformer.h.0.mlp.c_fc.weight"].shape == (64, 64)  # Conv1D: in x in
         assert grams["transformer.h.0.mlp.c_proj.weight"].shape == (256, 256)  # n_inner = 4 x 64
     else:
-        if architecture == "llama":
-            prefix, shared = "model.layers.0.", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-            pairs = [("mlp.gate_proj", "mlp.up_proj")]
+        if architecture == "bert":
+            prefix = "encoder.layer.0."
+            groups = [tuple(f"attention.self.{n}" for n in ("query", "key", "value"))]
         else:
-            prefix, shared = (
-                "encoder.layer.0.",
-                tuple(f"attention.self.{n}" for n in ("query", "key", "value")),
-            )
-            pairs = []
-        for group in (shared, *pairs):
+            prefix = "model.layers.0."
+            groups = [
+                ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                ("mlp.gate_proj", "mlp.up_proj"),
+            ]
+        for group in groups:
             keys = {manifest.modules[f"{prefix}{module}.weight"] for module in group}
             assert keys == {f"{prefix}{group[0]}.weight"}, f"{group} share one stored Gram"
-        assert len(stored_keys) == 4 * 4, "four distinct inputs per layer"
+        layers = len({name.split(".")[2] for name in manifest.modules})
+        assert len(stored_keys) == 4 * layers, "four distinct inputs per layer"
 
 
 def test_dataset_saved_to_disk_and_split(tiny_llama, calibration, tmp_path):
