@@ -170,7 +170,8 @@ class BMMMerge(GroupMergeMethod):
                 return data_free
         from mergekit_bmm.stats.store import activation_grams_for
 
-        grams = activation_grams_for(settings.stats, group.metadata.name, [e.id for e in tasks])
+        d_in = task_vectors[0].shape[1]
+        grams = activation_grams_for(settings.stats, group.metadata.name, [e.id for e in tasks], d_in=d_in)
         grams = [g.to(device=task_vectors[0].device) for g in grams]
         few = closed_form.activation_equations(task_vectors, grams, settings.compute_dtype)
         if settings.gram == "activations":
