@@ -152,7 +152,8 @@ def alignment_rows(
         w_pre = base_loader.get_tensor(name).double()
         if w_pre.ndim != 2:
             continue
-        grams = activation_grams_for(stats_dir, name, experts)
+        d_in = w_pre.shape[0] if info.stored_in_out else w_pre.shape[1]
+        grams = activation_grams_for(stats_dir, name, experts, d_in=d_in)
         for task, expert, loader, gram in zip(tasks, experts, expert_loaders, grams):
             w_t = loader.get_tensor(name).double()
             if w_t.shape != w_pre.shape:

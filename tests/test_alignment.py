@@ -159,5 +159,5 @@ def test_align_measures_real_alignment_and_refuses_foreign_statistics(tiny_llama
     assert "no task for model" in refused(tmp_path / "partial")
     # Grams of another width (another architecture under the same names)
     write_stats(tmp_path / "wide", tiny_llama, lambda u: torch.eye(u.shape[1] + 1))
-    assert "another model" in refused(tmp_path / "wide")
+    assert "but the weight has 128 inputs" in refused(tmp_path / "wide")
     assert "not a statistics directory" in refused(tmp_path / "missing")

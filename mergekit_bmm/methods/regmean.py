@@ -12,13 +12,10 @@ data-assisted ``bmm``; inside a ``bmm`` recipe with ``anchor_method: regmean``, 
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
 from mergekit.merge_methods.base import ParameterScope
 
 from mergekit_bmm.anchors.regmean import DEFAULT_OFF_DIAGONAL_SCALE, regmean_merge
-from mergekit_bmm.errors import ConfigError, StatisticsError
+from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.methods.parameters import CheckedParameter
 from mergekit_bmm.methods.task_vector_method import TaskVectorMethod, in_unit_interval
 
@@ -67,21 +64,9 @@ class RegMeanMerge(TaskVectorMethod):
 
         stats_dir = parameters["stats"]
         name = group.metadata.name or ""
-        grams = activation_grams_for(stats_dir, name, [entry.id for entry in tasks])
         in_features = task_vectors[0].shape[1]
+        # the store checks each Gram's size and finiteness against the weight
+        grams = activation_grams_for(stats_dir, name, [entry.id for entry in tasks], d_in=in_features)
         device = task_vectors[0].device
-        checked = []
-        for entry, gram in zip(tasks, grams):
-            if gram.shape != (in_features, in_features):
-                raise StatisticsError(
-                    f"statistics in {Path(stats_dir)} hold a Gram of shape {tuple(gram.shape)} for "
-                    f"{name}, whose input dimension is {in_features}; they were collected for a "
-                    "different model — re-run mergekit-bmm-stats"
-                )
-            if not bool(torch.isfinite(gram).all()):
-                raise StatisticsError(
-                    f"statistics in {Path(stats_dir)} hold NaN or Inf in the Gram of {name} for "
-                    f"model {entry.id}; re-run mergekit-bmm-stats"
-                )
-            checked.append(gram.to(device=device))
+        checked = [gram.to(device=device) for gram in grams]
         return regmean_merge(task_vectors, checked, parameters["off_diagonal_scale"])
