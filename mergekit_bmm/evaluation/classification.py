@@ -49,9 +49,21 @@ class Head:
     labels: tuple[str, ...]
 
 
-@lru_cache(maxsize=64)
+def _stamp(path: str) -> int:
+    """Modification time, so a rewritten file is read again."""
+    try:
+        return Path(path).stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
 def load_head(path: str) -> Head:
     """Read and check a head file."""
+    return _load_head(str(path), _stamp(path))
+
+
+@lru_cache(maxsize=64)
+def _load_head(path: str, stamp: int) -> Head:
     from safetensors import safe_open
 
     try:
@@ -92,12 +104,21 @@ def _subset(count: int, limit: int | float | None) -> list[int]:
 
 def load_examples(task: ClassificationTask, num_classes: int | None = None) -> tuple[list[str], torch.Tensor]:
     """Texts and labels of a task's data file (its split; its fixed ``limit`` subset)."""
-    return _load_examples(task.data, task.split, task.limit, task.text_field, task.label_field, num_classes)
+    texts, labels = _load_examples(
+        task.data, _stamp(task.data), task.split, task.limit, task.text_field, task.label_field, num_classes
+    )
+    return list(texts), labels.clone()
 
 
 @lru_cache(maxsize=64)
 def _load_examples(
-    path: str, split: str | None, limit: Any, text_field: str, label_field: str, num_classes: int | None
+    path: str,
+    stamp: int,
+    split: str | None,
+    limit: Any,
+    text_field: str,
+    label_field: str,
+    num_classes: int | None,
 ) -> tuple[list[str], torch.Tensor]:
     texts, labels = [], []
     splits_seen: set[str] = set()

@@ -1,10 +1,10 @@
 """An example ``type: python`` evaluator: how well the merge reproduces each expert.
 
 With no labelled data at hand, a merge can still be scored by how closely it predicts
-what each expert predicts on some text: per expert ``t``, the score is
-``exp(-KL(p_t || p_merged))`` averaged over the tokens of ``texts`` (1 = identical
-next-token distributions). The search then maximises the mean over experts. It works
-for any causal LM; the defaults suit the tiny generated models.
+what each expert predicts on some text: per expert ``t``, the score is minus the mean
+token ``KL(p_t || p_merged)`` over ``texts``, in millinats (0 = the expert's own
+next-token distributions; higher is better). The search maximises the mean over
+experts. It works for any causal LM; the defaults suit the tiny generated models.
 
     evaluator:
       type: python
@@ -60,7 +60,7 @@ def expert_agreement(
     experts: Mapping[str, str],
     texts: Sequence[str] = DEFAULT_TEXTS,
 ) -> dict[str, float]:
-    """Per expert: exp(-mean token KL(expert || merged)) on ``texts``."""
+    """Per expert: minus the mean token KL(expert || merged) on ``texts``, in millinats."""
     texts = tuple(texts)
     merged = _log_probs(model, _batch(tokenizer, texts))
     scores = {}
@@ -68,5 +68,5 @@ def expert_agreement(
         reference, mask = _expert_log_probs(str(path), texts)
         kl = (reference.exp() * (reference - merged)).sum(dim=-1)  # [batch, tokens]
         mean_kl = (kl * mask).sum() / mask.sum()
-        scores[str(name)] = float(torch.exp(-mean_kl))
+        scores[str(name)] = -1000.0 * float(mean_kl)
     return scores

@@ -44,11 +44,11 @@ def anchor_model(template: Mapping[str, Any]) -> AnchorModel:
     parameters = dict(template.get("parameters") or {})
     for item in template.get("models") or []:
         if (item.get("parameters") or {}).get("anchor"):
-            return AnchorModel(f"input {item['model']} (anchor: true)", model_dir=Path(str(item["model"])))
+            return AnchorModel(f"input {item['model']}, anchor: true", model_dir=Path(str(item["model"])))
     method = parameters.get("anchor_method") or DEFAULT_ANCHOR
     if method == PRETRAINED_ANCHOR:
         return AnchorModel(
-            f"the base model {template['base_model']}", model_dir=Path(str(template["base_model"]))
+            f"pretrained, {template['base_model']}", model_dir=Path(str(template["base_model"]))
         )
     recipe: dict[str, Any] = {"merge_method": method}
     for key, value in template.items():
@@ -72,4 +72,4 @@ def anchor_model(template: Mapping[str, Any]) -> AnchorModel:
     }
     ordered.update({key: value for key, value in recipe.items() if key not in ordered})
     seed = int(parameters.get("anchor_seed", 0) or 0)
-    return AnchorModel(f"a `{method}` merge (anchor.yml)", recipe=ordered, seed=seed)
+    return AnchorModel(f"{method} merge, anchor.yml", recipe=ordered, seed=seed)

@@ -9,6 +9,7 @@ continuing to the budget.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -188,8 +189,6 @@ class Search:
             {"anchor": target.description, "recipe": target.recipe, "evaluator": self.definition}
         )
         try:
-            import json
-
             cached = json.loads(self.out.anchor_json.read_text(encoding="utf-8"))
             if cached.get("key") == key:
                 self.anchor = cached

@@ -10,10 +10,8 @@ the log through the same ask/tell calls, which reproduces the optimiser's state 
 and lets the proposals continue as if the run had never stopped.
 
 Failed trials are told as the worst score seen so far, which steers the surrogate away
-from them without inventing a scale. Failures before any success are told provisionally
-and set to the first successful score once there is one (before the surrogate is fit
-on them when ``n_initial`` > the number of early failures, which the stop after three
-failures in a row guarantees for the default ``n_initial``).
+from them without inventing a scale; failures before any success are told the first
+successful score once there is one. Replay repeats these rules, so it stays exact.
 """
 
 from __future__ import annotations
