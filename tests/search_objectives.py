@@ -52,3 +52,10 @@ def fails_on(model_dir: Path, trials: list[int], nan: bool = False) -> float:
 
 def returns_text(model_dir: Path) -> str:
     return "not a number"
+
+
+def interrupts_on(model_dir: Path, trial: int) -> float:
+    """Acts like Ctrl-C (or SIGTERM through the command) during the given trial's evaluation."""
+    if Path(model_dir).name == f"trial-{trial:04d}":
+        raise KeyboardInterrupt
+    return 1.0

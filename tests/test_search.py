@@ -382,3 +382,63 @@ def test_the_shipped_example_runs_from_the_command_line(family, tmp_path):
     )
     assert extended.exit_code == 0, extended.output
     assert "9/9 trials" in extended.stdout
+
+
+def test_mix_gram_searches_epsilon_per_block(family, tmp_path):
+    """gram: mix with epsilon_range: a 6B-dimensional space, ε written per slice and merged."""
+    import torch
+    from conftest import load_weights
+
+    from mergekit_bmm import __version__
+    from mergekit_bmm.fingerprint import model_fingerprint
+    from mergekit_bmm.module_map import classify
+    from mergekit_bmm.recipe import weight_names_of
+    from mergekit_bmm.stats.store import StatsManifest, TaskStats, write_grams, write_manifest
+
+    stats = tmp_path / "stats"
+    base = load_weights(family.base)
+    names = [n for n in weight_names_of(str(family.base)) if base[n].ndim == 2 and classify(n)]
+    generator = torch.Generator().manual_seed(0)
+    tasks = []
+    for index, expert in enumerate(family.experts):
+        grams = {}
+        for name in names:
+            features = torch.randn(64, base[name].shape[1], generator=generator)
+            grams[name] = features.T @ features / 64
+        write_grams(stats / "grams" / f"t{index}.safetensors", grams)
+        tasks.append(
+            TaskStats(
+                name=f"t{index}",
+                model=str(expert),
+                fingerprint=model_fingerprint(expert),
+                file=f"t{index}.safetensors",
+                samples=64,
+                tokens=64,
+            )
+        )
+    write_manifest(
+        stats, StatsManifest(package_version=__version__, tasks=tasks, modules={n: n for n in names})
+    )
+
+    fields = {"strategy": "random", "budget": 2, "blocks": 2, "epsilon_range": [0.2, 0.8]}
+    raw = config_dict(family, python_evaluator("per_task_scores"), **fields)
+    raw["recipe"]["parameters"].update({"gram": "mix", "stats": str(stats)})
+    config = parse_search_config(raw, TESTS)
+    result = run_search(config, tmp_path / "out", quiet(skip_best=True, plots=False))
+    assert len(result.space.names) == 12 and all(r.ok for r in result.records)
+    for record in result.records:
+        slices = yaml.safe_load((tmp_path / "out" / record.yaml).read_text())["slices"]
+        epsilons = [block["parameters"]["epsilon"] for block in slices]
+        assert epsilons == [record.values["block0.epsilon"], record.values["block1.epsilon"]]
+        assert all(0.2 <= value <= 0.8 for value in epsilons)
+    assert result.records[0].per_task != result.records[1].per_task
+
+
+def test_interrupt_keeps_finished_trials_and_writes_the_summary(family, tmp_path):
+    config = make_config(family, python_evaluator("interrupts_on", trial=2), strategy="random", budget=5)
+    with pytest.raises(KeyboardInterrupt):
+        run_search(config, tmp_path / "out", quiet())
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["completed_trials"] == 2
+    assert (tmp_path / "out" / "convergence.png").exists() and not (tmp_path / "out" / ".work").exists()
+    assert [r.trial for r in read_records(tmp_path / "out")] == [0, 1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -63,6 +64,9 @@ def main(
     SEARCH_FILE is a search.yml naming the bmm recipe to tune, the space, the budget, the
     strategy (bo, random, grid) and the evaluator (python, lm_eval, classification).
     """
+    # A scheduler's SIGTERM stops the search like Ctrl-C: the trial in flight is dropped,
+    # the summary and plots are written, and the same command resumes.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         _run(search_file, out_dir, resume, force, eval_anchor, skip_best, no_cache, budget, device, quiet)
     except KeyboardInterrupt:
@@ -78,6 +82,12 @@ def main(
             raise
         click.echo(one_line(ours), err=True)
         sys.exit(ours.exit_code)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _run(

@@ -188,12 +188,27 @@ def load_template(config: SearchConfig) -> dict[str, Any]:
         raise ConfigError(f"{source}: the recipe lists no `models:` to merge")
     if not recipe.get("base_model"):
         raise ConfigError(f"{source}: a bmm recipe needs `base_model:`")
+    _absolute_model_paths(recipe)
     gram = (recipe.get("parameters") or {}).get("gram", "data_free")
     if config.epsilon_range is not None and gram != "mix":
         raise ConfigError(
             f"epsilon_range is set but the recipe's gram is {gram!r}; ε only exists for `gram: mix`"
         )
     return recipe
+
+
+def _absolute_model_paths(recipe: dict[str, Any]) -> None:
+    """Local model folders as absolute paths (mergekit reads relative ones from the working
+    directory, and its model card asks the Hub about relative paths)."""
+
+    def absolute(reference: Any) -> Any:
+        path = Path(str(reference)).expanduser()
+        return str(path.resolve()) if not path.is_absolute() and path.exists() else reference
+
+    recipe["base_model"] = absolute(recipe["base_model"])
+    for item in recipe["models"]:
+        if isinstance(item, dict) and "model" in item:
+            item["model"] = absolute(item["model"])
 
 
 def canonical_hash(data: Any) -> str:

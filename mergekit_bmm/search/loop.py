@@ -302,13 +302,24 @@ class Search:
         atomic_write_text(path, text)
         return text
 
-    def _write_best_recipe(self, best: TrialRecord) -> None:
+    def _write_best_recipe(self, best: TrialRecord, final: bool = False) -> None:
         text = self._trial_text(best)
+        so_far = "" if final else " so far"
         header = (
-            f"# Best of {len(self.records)} trials so far: trial {best.trial}, score {best.score:.6g}\n"
+            f"# Best of {len(self.records)} trials{so_far}: trial {best.trial}, score {best.score:.6g}\n"
             f"# (mergekit-bmm-search, {self.out.root}). Rebuild the model: mergekit-yaml best.yml OUT_DIR\n"
         )
         atomic_write_text(self.out.best_yml, header + text)
+
+    def _best_model_is_current(self) -> bool:
+        """Whether best/ holds the merge of the current best recipe (and not an older one)."""
+        best = best_record(self.records)
+        marker = self.out.best_dir / "mergekit_config.yml"
+        return (
+            best is not None
+            and marker.exists()
+            and marker.read_text(encoding="utf-8") == self._trial_text(best)
+        )
 
     def _write_summary(self, status: str) -> dict[str, Any]:
         summary = build_summary(
@@ -320,6 +331,7 @@ class Search:
             out=self.out,
             status=status,
             experiment_hash=self.experiment_hash,
+            best_model_current=self._best_model_is_current(),
         )
         atomic_write_json(self.out.summary_json, summary)
         return summary
@@ -338,10 +350,9 @@ class Search:
         best = best_record(self.records)
         if best is None or self.options.skip_best:
             return
-        text = self._trial_text(best)
-        marker = self.out.best_dir / "mergekit_config.yml"
-        if marker.exists() and marker.read_text(encoding="utf-8") == text:
+        if self._best_model_is_current():
             return
+        text = self._trial_text(best)
         self.echo(f"merging the best recipe (trial {best.trial}) into {self.out.best_dir} ...")
         staging = self.out.work_dir / "best"
         shutil.rmtree(staging, ignore_errors=True)
@@ -423,7 +434,7 @@ class Search:
             raise
         bar.close()
         if best is not None:
-            self._write_best_recipe(best)
+            self._write_best_recipe(best, final=True)
         summary = self._finish(FINISHED)
         wall = time.perf_counter() - self.started
         report = format_report(summary, self.space, self.out.root, wall)

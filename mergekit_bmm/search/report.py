@@ -41,6 +41,7 @@ def build_summary(
     out,
     status: str,
     experiment_hash: str,
+    best_model_current: bool = True,
 ) -> dict[str, Any]:
     """Contract B: rewritten after every trial and at the end."""
     best = best_record(records)
@@ -68,7 +69,7 @@ def build_summary(
         "convergence_plot": present(out.convergence_png),
         "lambda_plot": present(out.lambdas_png),
         "best_recipe": present(out.best_yml),
-        "best_model": present(out.best_dir),
+        "best_model": present(out.best_dir) if best_model_current else None,
         # additions to the contract
         "status": status,
         "dimensions": space.names,
@@ -149,11 +150,9 @@ def format_report(
         "mean time per trial: "
         + ", ".join(f"{key} {times[key]:.2f} s" for key in ("merge", "evaluate", "surrogate"))
     )
-    outputs = [
-        summary[key]
-        for key in ("best_recipe", "best_model", "convergence_plot", "lambda_plot")
-        if summary[key]
-    ]
+    best_model = summary["best_model"] and summary["best_model"] + "/"
+    outputs = [summary["best_recipe"], best_model, summary["convergence_plot"], summary["lambda_plot"]]
+    outputs = [item for item in outputs if item]
     lines.append("outputs: " + ", ".join(outputs + ["trials.jsonl", "summary.json"]))
     return "\n".join(lines)
 
