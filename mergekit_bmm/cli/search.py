@@ -46,6 +46,13 @@ def _echo(message: str) -> None:
     show_default=True,
     help="Device for merging and evaluating (cpu, cuda, cuda:1, ...).",
 )
+@click.option(
+    "--num-threads",
+    "-j",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CPU threads for torch (default: torch's choice; 1 helps on a busy shared machine).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def main(
     search_file: str | None,
@@ -57,6 +64,7 @@ def main(
     no_cache: bool,
     budget: int | None,
     device: str,
+    num_threads: int | None,
     quiet: bool,
 ) -> None:
     """Bayesian optimisation of BMM's λ (per block and module group) and s (per block).
@@ -67,6 +75,10 @@ def main(
     # A scheduler's SIGTERM stops the search like Ctrl-C: the trial in flight is dropped,
     # the summary and plots are written, and the same command resumes.
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    if num_threads is not None:
+        import torch
+
+        torch.set_num_threads(num_threads)
     try:
         _run(search_file, out_dir, resume, force, eval_anchor, skip_best, no_cache, budget, device, quiet)
     except KeyboardInterrupt:
