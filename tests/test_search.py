@@ -26,12 +26,16 @@ TARGET = {"attn_in": 0.003, "attn_out": 0.03, "mlp_in": 0.01, "mlp_out": 0.1, "s
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny merges are latency-bound; one thread avoids oversubscribing a shared machine."""
+    """Tiny merges and GP fits are latency-bound; one thread (torch and BLAS) avoids
+    oversubscribing a shared machine."""
+    import skopt  # noqa: F401  (loads numpy's and scipy's BLAS, so the limit reaches them)
     import torch
+    from threadpoolctl import threadpool_limits
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    with threadpool_limits(limits=1):
+        yield
     torch.set_num_threads(threads)
 
 

@@ -51,7 +51,7 @@ def _echo(message: str) -> None:
     "-j",
     type=click.IntRange(min=1),
     default=None,
-    help="CPU threads for torch (default: torch's choice; 1 helps on a busy shared machine).",
+    help="CPU threads for torch and BLAS (default: their choice; 1 helps on a busy shared machine).",
 )
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def main(
@@ -76,9 +76,12 @@ def main(
     # the summary and plots are written, and the same command resumes.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     if num_threads is not None:
+        import skopt  # noqa: F401  (loads the BLAS libraries the limit below must reach)
         import torch
+        from threadpoolctl import threadpool_limits  # BLAS threads of the GP fits
 
         torch.set_num_threads(num_threads)
+        threadpool_limits(limits=num_threads)
     try:
         _run(search_file, out_dir, resume, force, eval_anchor, skip_best, no_cache, budget, device, quiet)
     except KeyboardInterrupt:
