@@ -179,6 +179,21 @@ def _check_repo_id(repo_id: str) -> None:
         raise PublishError(f"--repo {repo_id!r} must name the owner too: user/name or org/name")
 
 
+def preflight(repo_id: str) -> None:
+    """Refuse early what would stop an upload later (bad repo id, offline, no token)."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    _check_repo_id(repo_id)
+    if constants.HF_HUB_OFFLINE:
+        raise PublishError(
+            "huggingface_hub is in offline mode (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is set); "
+            "unset it to publish"
+        )
+    if huggingface_hub.get_token() is None:
+        raise PublishError("no Hugging Face token found; run `hf auth login` or set HF_TOKEN")
+
+
 def publish_folder(
     folder: Path,
     repo_id: str,

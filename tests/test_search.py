@@ -446,3 +446,64 @@ def test_interrupt_keeps_finished_trials_and_writes_the_summary(family, tmp_path
     assert summary["status"] == "interrupted" and summary["completed_trials"] == 2
     assert (tmp_path / "out" / "convergence.png").exists() and not (tmp_path / "out" / ".work").exists()
     assert [r.trial for r in read_records(tmp_path / "out")] == [0, 1]
+
+
+@pytest.mark.slow
+def test_search_card_and_push_to_hub(family, tmp_path):
+    """The best model gets a search card and is uploaded to a local stand-in for the Hub."""
+    import os
+    import subprocess
+
+    import yaml
+    from hub_standin import HubStandIn
+    from huggingface_hub import ModelCard
+
+    config = config_dict(family, python_evaluator("per_task_scores"), strategy="random", budget=3, seed=0)
+    search_file = tmp_path / "search.yml"
+    search_file.write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    ids = [f"--base-model-id={family.base}=org/base"]
+    ids += [f"--base-model-id={p}=org/{p.name}" for p in family.experts]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_OFFLINE"))}
+    with HubStandIn() as hub:
+        env.update(HF_ENDPOINT=hub.endpoint, HF_TOKEN="hf_standin_token", HF_HOME=str(tmp_path / "hf"))
+        command = [
+            str(BIN / "mergekit-bmm-search"),
+            str(search_file),
+            "--out",
+            str(out),
+            "--quiet",
+            "-j",
+            "1",
+        ]
+        command += ["--push-to-hub", "me/searched", *ids]
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+        state = hub.state
+    assert result.returncode == 0, result.stderr[-3000:]
+    card = ModelCard((out / "best" / "README.md").read_text())
+    assert {"mergekit", "merge", "bmm"} <= set(card.data.tags)
+    assert "random" in card.text and "convergence.png" in card.text
+    assert (out / "best" / "convergence.png").exists()
+    uploaded = state.repos["me/searched"].branches["main"]
+    assert {"README.md", "convergence.png", "mergekit_config.yml"} <= set(uploaded)
+    assert ModelCard(uploaded["README.md"].decode()).data.base_model == [
+        "org/base",
+        *(f"org/{p.name}" for p in family.experts),
+    ]
+
+
+def test_push_to_hub_is_checked_before_the_search_starts(family, tmp_path):
+    from click.testing import CliRunner
+
+    from mergekit_bmm.cli.search import main
+
+    search_file = tmp_path / "search.yml"
+    import yaml
+
+    search_file.write_text(yaml.safe_dump(config_dict(family, python_evaluator("per_task_scores"))))
+    result = CliRunner().invoke(
+        main, [str(search_file), "--out", str(tmp_path / "out"), "--push-to-hub", "me/x", "--quiet"]
+    )
+    assert result.exit_code != 0
+    assert "offline mode" in result.output  # the test session is offline
+    assert not (tmp_path / "out" / "trials.jsonl").exists()

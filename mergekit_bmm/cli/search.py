@@ -53,6 +53,21 @@ def _echo(message: str) -> None:
     default=None,
     help="CPU threads for torch and BLAS (default: their choice; 1 helps on a busy shared machine).",
 )
+@click.option(
+    "--push-to-hub",
+    "push_to_hub",
+    default=None,
+    metavar="USER/NAME",
+    help="Upload --out/best (with its model card) to this Hub repo when the search finishes.",
+)
+@click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private.")
+@click.option(
+    "--base-model-id",
+    "base_model_ids",
+    multiple=True,
+    metavar="LOCAL=ORG/NAME",
+    help="With --push-to-hub: Hub id of a local model folder named in the recipe (repeatable).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def main(
     search_file: str | None,
@@ -65,6 +80,9 @@ def main(
     budget: int | None,
     device: str,
     num_threads: int | None,
+    push_to_hub: str | None,
+    private: bool,
+    base_model_ids: tuple[str, ...],
     quiet: bool,
 ) -> None:
     """Bayesian optimisation of BMM's λ (per block and module group) and s (per block).
@@ -83,7 +101,12 @@ def main(
         torch.set_num_threads(num_threads)
         threadpool_limits(limits=num_threads)
     try:
-        _run(search_file, out_dir, resume, force, eval_anchor, skip_best, no_cache, budget, device, quiet)
+        publish = _publish_plan(push_to_hub, private, base_model_ids, skip_best)
+        finished = _run(
+            search_file, out_dir, resume, force, eval_anchor, skip_best, no_cache, budget, device, quiet
+        )
+        if publish is not None and finished:
+            publish(Path(out_dir) / "best")
     except KeyboardInterrupt:
         click.echo(
             f"mergekit-bmm-search: interrupted; finished trials are kept in {out_dir}/trials.jsonl. "
@@ -99,6 +122,26 @@ def main(
         sys.exit(ours.exit_code)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _publish_plan(repo_id, private, base_model_ids, skip_best):
+    """Check a --push-to-hub request before the search starts; return the upload step."""
+    if repo_id is None:
+        return None
+    from mergekit_bmm.cli.publish_command import _mapping
+    from mergekit_bmm.errors import ConfigError
+    from mergekit_bmm.publish import preflight, publish_folder
+
+    if skip_best:
+        raise ConfigError("--push-to-hub uploads --out/best: drop --skip-best")
+    preflight(repo_id)
+    mapping = _mapping(base_model_ids)
+
+    def publish(best_dir: Path) -> None:
+        paths = publish_folder(best_dir, repo_id, private=private, base_model_ids=mapping)
+        click.echo(f"uploaded {len(paths)} files of {best_dir} to {repo_id}")
+
+    return publish
 
 
 def _interrupt(signum, frame) -> None:
@@ -139,6 +182,7 @@ def _run(
     )
     result = run_search(config, out_dir, options, echo=_echo)
     click.echo(result.report)
+    return result.summary.get("status") == "finished"
 
 
 if __name__ == "__main__":

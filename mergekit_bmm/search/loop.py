@@ -365,7 +365,21 @@ class Search:
         if merge_best:
             self._merge_best()
         shutil.rmtree(self.out.work_dir, ignore_errors=True)
-        return self._write_summary(status)
+        summary = self._write_summary(status)
+        self._write_card()
+        return summary
+
+    def _write_card(self) -> None:
+        """The Hub model card of best/ (search results included); never fatal."""
+        if self.options.skip_best or not self.out.best_dir.is_dir() or not self._best_model_is_current():
+            return
+        from mergekit_bmm.card import write_search_card
+
+        try:
+            write_search_card(self.out.best_dir, self.out.root)
+        except Exception as error:  # a card must never cost the search its results
+            text = " ".join(str(error).split())
+            self.echo(f"warning: could not write the model card of {self.out.best_dir}: {text}")
 
     # --------------------------------------------------------------------- run
     def run(self) -> SearchResult:
