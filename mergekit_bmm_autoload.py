@@ -6,7 +6,9 @@ and calls ``register``. This module is imported at interpreter start-up by the
 ``mergekit-yaml`` (and any other program) sees ``merge_method: bmm`` without an extra
 flag. It stays cheap: it imports nothing heavy, and only installs a one-shot import
 hook that runs ``import mergekit_bmm`` right after ``mergekit.merge_methods`` has
-finished executing. Set ``MERGEKIT_BMM_NO_AUTOLOAD=1`` to switch it off.
+finished executing, and installs the model-card hook (``mergekit_bmm.card_hook``) right
+after ``mergekit.merge`` has (the registration happens while ``mergekit.merge`` is still
+importing, too early to patch it). Set ``MERGEKIT_BMM_NO_AUTOLOAD=1`` to switch it off.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import sys
 
 _TRIGGER = "mergekit.merge_methods"
+_CARD_TRIGGER = "mergekit.merge"
 
 
 class _LoaderWrapper(importlib.abc.Loader):
@@ -35,6 +38,10 @@ class _LoaderWrapper(importlib.abc.Loader):
             from mergekit_bmm.errors import install_excepthook
 
             install_excepthook()
+            if module.__name__ == _CARD_TRIGGER:
+                from mergekit_bmm import card_hook
+
+                card_hook.install(module)
         except Exception as error:  # never break mergekit because of the plugin
             print(f"mergekit-bmm: could not register its merge methods: {error}", file=sys.stderr)
 
@@ -43,12 +50,17 @@ class _LoaderWrapper(importlib.abc.Loader):
 
 
 class _RegistryFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the loader of ``mergekit.merge_methods`` once."""
+    """Finds nothing itself; wraps the loaders of ``mergekit.merge_methods`` and ``mergekit.merge`` once."""
+
+    def __init__(self) -> None:
+        self._pending = {_TRIGGER, _CARD_TRIGGER}
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _TRIGGER:
+        if fullname not in self._pending:
             return None
-        sys.meta_path.remove(self)
+        self._pending.discard(fullname)
+        if not self._pending:
+            sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
             spec.loader = _LoaderWrapper(spec.loader)

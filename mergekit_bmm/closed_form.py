@@ -209,6 +209,11 @@ class EigenFactors:
         }
         return EigenFactors(**moved)
 
+    def decoded_basis(self, dtype: torch.dtype) -> torch.Tensor:
+        """``Q`` itself in ``dtype`` (its column scales applied when stored in float16)."""
+        basis = self.basis.to(dtype)
+        return basis if self.basis_scale is None else basis * self.basis_scale.to(dtype)
+
     def ridge(self, lam: float, mode: LambdaMode = "relative") -> float:
         if lam < 0 or lam != lam:
             raise ConfigError(f"lambda must be a number >= 0; got {lam}")

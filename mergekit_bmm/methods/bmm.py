@@ -39,6 +39,8 @@ from mergekit_bmm.methods import cache_key
 from mergekit_bmm.methods.anchor import anchor_weight, resolve_anchor_method
 from mergekit_bmm.methods.parameters import PRETRAINED_ANCHOR, BMMSettings, build_spec
 from mergekit_bmm.module_map import classify, layer_index
+from mergekit_bmm.sampling import hook as solved_tensors
+from mergekit_bmm.sampling.hook import SolvedTensor
 
 LOG = logging.getLogger("mergekit_bmm")
 
@@ -158,6 +160,10 @@ class BMMMerge(GroupMergeMethod):
             equations = self.normal_equations(settings, group, tasks, task_vectors)
             if cache is None:
                 merged = closed_form.merge_matrix(equations, prior, settings.lam, settings.lambda_mode)
+                if solved_tensors.active():  # mergekit-bmm-sample is listening
+                    ridge = closed_form.effective_ridge(settings.lam, equations, settings.lambda_mode)
+                    solved = (name, equations.gram, ridge, merged, base_c, settings.scale, transpose)
+                    solved_tensors.report(SolvedTensor(*solved, base.dtype, dtype))
                 return (base_c + settings.scale * orient(merged)).to(base.dtype)
             # Factorised once in float64: the cached route is then at least as accurate as
             # the direct one (see closed_form.eigen_factors); trials solve in `dtype`.
@@ -166,7 +172,10 @@ class BMMMerge(GroupMergeMethod):
             factors = cache.store_factors(name, key, factors, settings.cache_dtype, dtype)
         # A cache hit does not re-check the inputs for NaN/Inf: they were checked when the
         # entry was built, and its key ties it to that content.
-        return _merge_from_factors(factors.to(base.device), base, settings, transpose)
+        factors = factors.to(base.device)
+        if solved_tensors.active():  # mergekit-bmm-sample is listening
+            return _report_from_factors(name, factors, base, settings, transpose)
+        return _merge_from_factors(factors, base, settings, transpose)
 
     def unsolved(self, group: TensorGroup, key_inputs: tuple, cache: FactorCache | None) -> torch.Tensor:
         """The anchor's result, read from the cache when an anchor method is worth caching.
@@ -208,7 +217,8 @@ class BMMMerge(GroupMergeMethod):
                 return data_free
         from mergekit_bmm.stats.store import activation_grams_for
 
-        grams = activation_grams_for(settings.stats, group.metadata.name, [e.id for e in tasks])
+        d_in = task_vectors[0].shape[1]
+        grams = activation_grams_for(settings.stats, group.metadata.name, [e.id for e in tasks], d_in=d_in)
         grams = [g.to(device=task_vectors[0].device) for g in grams]
         few = closed_form.activation_equations(task_vectors, grams, settings.compute_dtype)
         if settings.gram == "activations":
@@ -230,6 +240,24 @@ def _merge_from_factors(
     left, right = (basis, coefficients.T) if transpose else (coefficients, basis.T)
     merged = torch.addmm(base.to(coefficients.dtype), left, right, alpha=settings.scale)
     return merged.to(base.dtype)
+
+
+def _report_from_factors(
+    name: str, factors: closed_form.EigenFactors, base: torch.Tensor, settings: BMMSettings, transpose: bool
+) -> torch.Tensor:
+    """The cached merge with the MAP ``U`` spelled out, told to the sampler.
+
+    The sampler gets ``G``'s eigen factors instead of ``G``: the posterior needs no second
+    eigendecomposition, and a cache hit never re-forms ``G`` at all.
+    """
+    ridge = factors.ridge(settings.lam, settings.lambda_mode)
+    merged = closed_form.solve_from_factors(factors, ridge)
+    base_c = base.to(merged.dtype)
+    eigen = (factors.eigenvalues, factors.decoded_basis(merged.dtype))
+    solved = (name, None, ridge, merged, base_c, settings.scale, transpose, base.dtype, merged.dtype)
+    solved_tensors.report(SolvedTensor(*solved, eigen=eigen))
+    oriented = merged.T if transpose else merged
+    return (base_c + settings.scale * oriented).to(base.dtype)
 
 
 def _stored_in_out(weight_layout: str, detected: bool) -> bool:

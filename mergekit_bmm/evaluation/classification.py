@@ -1,0 +1,252 @@
+"""``type: classification``: accuracy of fixed linear heads on the merged encoder.
+
+A *head* is a safetensors file with ``weight`` ``[classes, hidden]`` and ``bias``
+``[classes]`` (float32) and metadata ``pooling`` (``mean`` over non-padding tokens, the
+default, or ``cls``: the first token) and ``labels`` (a JSON list of class names).
+A *task data file* is JSONL with a text and an integer label per line, and optionally a
+``split``. Logits are ``pooled @ weight.T + bias`` on the encoder's last hidden state.
+
+:func:`task_logits` is the one scoring routine: the search, the benchmark and the
+ensembles all call it, so they score exactly the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mergekit_bmm.errors import ConfigError, TensorInputError
+from mergekit_bmm.evaluation.base import load_model, load_tokenizer, release_memory
+from mergekit_bmm.evaluation.config import ClassificationEvaluatorConfig, ClassificationTask
+
+__all__ = [
+    "ClassificationEvaluator",
+    "ClassificationTask",
+    "Head",
+    "accuracy",
+    "load_examples",
+    "load_head",
+    "task_logits",
+]
+
+SUBSET_SEED = 0
+
+
+@dataclass(frozen=True)
+class Head:
+    """A fixed linear classifier over pooled encoder states."""
+
+    weight: torch.Tensor  # [classes, hidden], float32
+    bias: torch.Tensor  # [classes], float32
+    pooling: str
+    labels: tuple[str, ...]
+
+
+def _stamp(path: str) -> int:
+    """Modification time, so a rewritten file is read again."""
+    try:
+        return Path(path).stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+def load_head(path: str) -> Head:
+    """Read and check a head file."""
+    return _load_head(str(path), _stamp(path))
+
+
+@lru_cache(maxsize=64)
+def _load_head(path: str, stamp: int) -> Head:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except (OSError, Exception) as error:  # safetensors raises its own error types
+        raise ConfigError(f"cannot read classification head {path}: {error}") from None
+    if "weight" not in tensors or "bias" not in tensors:
+        raise ConfigError(f"head {path} must hold tensors `weight` and `bias`; it has {sorted(tensors)}")
+    weight, bias = tensors["weight"].float(), tensors["bias"].float()
+    if weight.ndim != 2 or bias.shape != (weight.shape[0],):
+        raise ConfigError(
+            f"head {path}: weight must be [classes, hidden] and bias [classes]; got "
+            f"{list(weight.shape)} and {list(bias.shape)}"
+        )
+    pooling = metadata.get("pooling", "mean")
+    if pooling not in ("mean", "cls"):
+        raise ConfigError(f"head {path}: metadata pooling must be 'mean' or 'cls'; got {pooling!r}")
+    try:
+        labels = tuple(str(label) for label in json.loads(metadata.get("labels", "null")) or ())
+    except ValueError:
+        raise ConfigError(f"head {path}: metadata `labels` must be a JSON list of class names") from None
+    if labels and len(labels) != weight.shape[0]:
+        raise ConfigError(
+            f"head {path} has {weight.shape[0]} classes but {len(labels)} labels in its metadata"
+        )
+    return Head(weight, bias, pooling, labels or tuple(str(i) for i in range(weight.shape[0])))
+
+
+def _subset(count: int, limit: int | float | None) -> list[int]:
+    """A fixed subset of ``limit`` indices (a count, or a fraction), in file order."""
+    if limit is None:
+        return list(range(count))
+    size = math.ceil(limit * count) if isinstance(limit, float) else min(int(limit), count)
+    return sorted(random.Random(SUBSET_SEED).sample(range(count), size))
+
+
+def load_examples(task: ClassificationTask, num_classes: int | None = None) -> tuple[list[str], torch.Tensor]:
+    """Texts and labels of a task's data file (its split; its fixed ``limit`` subset)."""
+    texts, labels = _load_examples(
+        task.data, _stamp(task.data), task.split, task.limit, task.text_field, task.label_field, num_classes
+    )
+    return list(texts), labels.clone()
+
+
+@lru_cache(maxsize=64)
+def _load_examples(
+    path: str,
+    stamp: int,
+    split: str | None,
+    limit: Any,
+    text_field: str,
+    label_field: str,
+    num_classes: int | None,
+) -> tuple[list[str], torch.Tensor]:
+    texts, labels = [], []
+    splits_seen: set[str] = set()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise ConfigError(f"cannot read task data {path}: {error.strerror}") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            if "split" in item:
+                splits_seen.add(str(item["split"]))
+            if split is not None and item.get("split") != split:
+                continue
+            text, label = item[text_field], item[label_field]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ConfigError(
+                f"{path} line {number}: expected a JSON object with `{text_field}` and "
+                f"`{label_field}` ({error})"
+            ) from None
+        if isinstance(label, bool) or not isinstance(label, int):
+            raise ConfigError(
+                f"{path} line {number}: `{label_field}` must be a class index (int); got {label!r}"
+            )
+        if num_classes is not None and not 0 <= label < num_classes:
+            raise ConfigError(
+                f"{path} line {number}: label {label} is outside the head's {num_classes} classes"
+            )
+        texts.append(str(text))
+        labels.append(label)
+    if not texts:
+        where = f" with split {split!r} (splits present: {sorted(splits_seen) or 'none'})" if split else ""
+        raise ConfigError(f"task data {path} has no examples{where}")
+    keep = _subset(len(texts), limit)
+    return [texts[i] for i in keep], torch.tensor([labels[i] for i in keep], dtype=torch.long)
+
+
+def _pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    hidden = hidden.float()
+    if pooling == "cls":
+        return hidden[:, 0]
+    weights = mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+
+
+def _last_hidden_state(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    outputs = model(**batch)
+    hidden = getattr(outputs, "last_hidden_state", None)
+    if hidden is None:  # models with a head: ask for the hidden states instead
+        hidden = model(**batch, output_hidden_states=True).hidden_states[-1]
+    return hidden
+
+
+@torch.inference_mode()
+def task_logits(
+    model: Any, tokenizer: Any, task: ClassificationTask, max_length: int = 128, batch_size: int = 32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``[N, C]`` (float32, CPU) and labels ``[N]`` of a task on a loaded encoder.
+
+    Examples are batched by length (less padding) and returned in data order; padding is
+    on the right so ``cls`` pooling reads the first real token.
+    """
+    head = load_head(task.head)
+    texts, labels = load_examples(task, head.weight.shape[0])
+    device = next(model.parameters()).device
+    pad_side, pad_token = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side = "right"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    try:
+        lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]
+        order = sorted(range(len(texts)), key=lambda i: lengths[i])
+        pooled = torch.empty(len(texts), head.weight.shape[1])
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            batch = tokenizer(
+                [texts[i] for i in chunk],
+                truncation=True,
+                max_length=max_length,
+                padding=True,
+                return_tensors="pt",
+            )
+            batch = {
+                k: v.to(device)
+                for k, v in batch.items()
+                if k in ("input_ids", "attention_mask", "token_type_ids")
+            }
+            hidden = _last_hidden_state(model, batch)
+            if hidden.shape[-1] != head.weight.shape[1]:
+                raise TensorInputError(
+                    f"head {task.head} expects hidden size {head.weight.shape[1]} but the model's is "
+                    f"{hidden.shape[-1]}; use the head made for this encoder"
+                )
+            pooled[chunk] = _pool(hidden, batch["attention_mask"], head.pooling).cpu()
+    finally:
+        tokenizer.padding_side, tokenizer.pad_token = pad_side, pad_token
+    return pooled @ head.weight.T + head.bias, labels
+
+
+def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean of argmax(logits) == labels."""
+    return float((logits.argmax(dim=-1) == labels).double().mean())
+
+
+class ClassificationEvaluator:
+    """Loads the merged encoder once per trial and scores every task's accuracy."""
+
+    def __init__(self, config: ClassificationEvaluatorConfig, device: str) -> None:
+        self.config = config
+        self.device = device
+        self.weights = {task.name: task.weight for task in config.tasks}
+        for task in config.tasks:  # read and check heads and data now, not at trial 1
+            head = load_head(task.head)
+            load_examples(task, head.weight.shape[0])
+
+    def evaluate(self, model_dir: Path) -> dict[str, float]:
+        model = load_model(model_dir, "AutoModel", self.device)
+        tokenizer = load_tokenizer(model_dir)
+        try:
+            scores = {}
+            for task in self.config.tasks:
+                logits, labels = task_logits(
+                    model, tokenizer, task, self.config.max_length, self.config.batch_size
+                )
+                scores[task.name] = accuracy(logits, labels)
+        finally:
+            del model, tokenizer
+            release_memory()
+        return scores
