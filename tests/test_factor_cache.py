@@ -216,6 +216,25 @@ def test_statistics_and_epsilon_are_keyed(tmp_path):
     assert len(entries(cache)) == 4
 
 
+def test_statistics_of_a_regmean_anchor_are_keyed(tmp_path):
+    tensors = inputs(seed=9)
+    ids = ["/models/base", "/models/a", "/models/b", "/models/c"]
+    stats = _stats_dir(tmp_path / "stats", ids[1:], 32, seed=0)
+    cache = tmp_path / "cache"
+    parameters = {"anchor_method": "regmean", "stats": str(stats), "lambda": 0.5}
+
+    def check():
+        cached = bmm(tensors, ids=ids, cache=str(cache), **parameters)
+        assert delta_error(cached, bmm(tensors, ids=ids, **parameters), tensors[0]) <= 1e-5
+
+    check()
+    check()
+    assert len(entries(cache)) == 1
+    _stats_dir(stats, ids[1:], 32, seed=1)  # the anchor's statistics collected again
+    check()
+    assert len(entries(cache)) == 2
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
 def test_a_damaged_entry_is_ignored_logged_and_rewritten(tmp_path, caplog, factorisations, damage):
     tensors = inputs(seed=7)

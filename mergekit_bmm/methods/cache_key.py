@@ -11,7 +11,8 @@ A key is canonical JSON with:
   miss, is caught unless it leaves every sampled run unchanged); for plain ids (Python API)
   a hash of the whole tensor. Shape and dtype too: the recipe's ``dtype`` rounds the
   inputs before BMM sees them;
-* the anchor: method, the parameters forwarded to it, ``anchor_seed`` — or which input is
+* the anchor: method, the parameters forwarded to it, ``anchor_seed`` (and the content of
+  a statistics directory forwarded to it as ``stats``, for ``regmean``) — or which input is
   marked ``anchor: true``;
 * for solved tensors: the Gram mode, the statistics' fingerprint (``activations``/``mix``),
   ε for ``mix`` (it changes ``G``), compute dtype, orientation and stored precision.
@@ -148,14 +149,16 @@ def _common(
     method_name: str | None,
     parameters: Mapping[str, Any],
 ) -> dict[str, Any]:
+    anchor = anchor_dependencies(group, tasks, anchor_entry, method_name, parameters, settings.anchor_seed)
+    forwarded_stats = anchor.get("parameters", {}).get("stats")
+    if isinstance(forwarded_stats, str):  # an anchor that reads Grams (regmean): their content too
+        anchor["stats_fingerprint"] = stats_fingerprint(forwarded_stats)
     return {
         "format": CACHE_FORMAT,
         "versions": _versions(),
         "tensor": group.metadata.name or "",
         "inputs": _inputs(group, tasks, anchor_entry),
-        "anchor": anchor_dependencies(
-            group, tasks, anchor_entry, method_name, parameters, settings.anchor_seed
-        ),
+        "anchor": anchor,
         "compute_dtype": str(settings.compute_dtype),
     }
 
