@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
 
-from mergekit_bmm.errors import ConfigError, find_bmm_error, one_line
+from mergekit_bmm.errors import ConfigError, exit_on_bmm_error
 
 REPORT_NAME = "ensemble.json"
 
@@ -56,19 +55,13 @@ def main(samples_dir: str, tasks_file: str, split: str | None, device: str, quie
     from mergekit_bmm.ensemble import classification_logits_fn, evaluate_ensemble, mean_over_tasks
     from mergekit_bmm.ensemble_config import load_classification_tasks
 
-    try:
+    with exit_on_bmm_error():
         folder = Path(samples_dir)
         members, map_dir = ensemble_members(folder)
         config = load_classification_tasks(tasks_file, split)
         logits_fn = classification_logits_fn(config, device)
         ensemble = evaluate_ensemble(members, logits_fn, progress=not quiet)
         map_scores = evaluate_ensemble([map_dir], logits_fn, progress=False) if map_dir else None
-    except Exception as error:
-        ours = find_bmm_error(error)
-        if ours is None:
-            raise
-        click.echo(one_line(ours), err=True)
-        sys.exit(ours.exit_code)
     report = {
         "members": len(members),
         "tasks": {name: result.as_dict() for name, result in ensemble.items()},
