@@ -12,13 +12,20 @@ sampled tensor: the posterior's β for r comes from its std at β = 1 (``samples
 σ = r·rms(U_MAP), so both methods are compared at equal noise energy and differ only in
 its shape (covariance β⁻¹(G + λ'I)⁻¹ vs σ²I).
 
-Smoke setup (``--smoke``, phase 1): a tiny generated encoder (Llama by default; BERT
-needs mergekit's BERT planning fix), two synthetic experts, and for each a synthetic
-3-class task whose labels come from a noisy teacher on that expert's features, with a
-logistic-regression head fitted on the expert's features (contract A's head and JSONL
-formats). Scoring follows contract A (mean-pooled last hidden state @ headᵀ + bias).
+Two setups, both scored by the search's classification scorer
+(``mergekit_bmm.evaluation.classification.task_logits`` through
+``mergekit_bmm.ensemble.classification_logits_fn``):
+
+- ``--smoke``: a tiny generated encoder (Llama by default), two synthetic experts, and for
+  each a synthetic 3-class task whose labels come from a noisy teacher on that expert's
+  features, with a logistic-regression head fitted on the expert's features.
+- ``--recipe R --tasks T --target SUBSTR``: any real ``bmm`` recipe and a classification
+  evaluator config (heads + JSONL data, e.g. the merging benchmark's MiniLM heads), sampling
+  the tensors whose name contains SUBSTR (the paper: the last MLP output matrix).
 
     python bench/calibration.py --smoke
+    python bench/calibration.py --recipe R.yml --tasks tasks.yml --target layer.5.output.dense \
+        --results bench/results/calibration-minilm6
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ WORDS = (
 # ----------------------------------------------------------------------------- tasks and heads
 @dataclass(frozen=True)
 class HeadTask:
-    """Contract A's task: a head safetensors file and a JSONL data file (``split`` selects lines)."""
+    """A classification task: a head safetensors file and a JSONL data file (``split`` selects lines)."""
 
     name: str
     head: Path
@@ -62,26 +69,21 @@ class HeadTask:
     split: str = "test"
 
 
-def read_task(task: HeadTask) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor, str]:
-    from safetensors import safe_open
+def evaluator_config(tasks: list[HeadTask]):
+    """The classification evaluator config of the smoke tasks (scored like search trials)."""
+    from mergekit_bmm.evaluation.config import ClassificationEvaluatorConfig
 
-    texts, labels = [], []
-    for line in task.data.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
-        if task.split is None or record.get("split") == task.split:
-            texts.append(record["text"])
-            labels.append(int(record["label"]))
-    with safe_open(str(task.head), framework="pt") as handle:
-        pooling = (handle.metadata() or {}).get("pooling", "mean")
-        weight, bias = handle.get_tensor("weight"), handle.get_tensor("bias")
-    return texts, torch.tensor(labels), weight, bias, pooling
+    return ClassificationEvaluatorConfig(
+        type="classification",
+        max_length=64,
+        batch_size=64,
+        tasks=[{"name": t.name, "head": str(t.head), "data": str(t.data), "split": t.split} for t in tasks],
+    )
 
 
 @torch.inference_mode()
-def pooled_features(
-    model, tokenizer, texts: list[str], pooling: str = "mean", batch_size: int = 64
-) -> torch.Tensor:
-    """Last hidden state pooled over non-padding tokens (mean) or the first token (cls)."""
+def pooled_features(model, tokenizer, texts: list[str], batch_size: int = 64) -> torch.Tensor:
+    """Mean-pooled last hidden state: the features the smoke heads are fitted on."""
     tokenizer.padding_side = "right"
     out = []
     for start in range(0, len(texts), batch_size):
@@ -94,40 +96,9 @@ def pooled_features(
         )
         batch = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         hidden = model(**batch).last_hidden_state.float()
-        if pooling == "cls":
-            out.append(hidden[:, 0])
-        else:
-            mask = batch["attention_mask"].unsqueeze(-1).float()
-            out.append((hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0))
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        out.append((hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0))
     return torch.cat(out)
-
-
-def load_encoder(model_dir: Path):
-    from transformers import AutoModel, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    return AutoModel.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
-
-
-def head_logits_fn(tasks: list[HeadTask]):
-    """``logits_fn(model_dir) -> {task: (logits, labels)}`` scoring like contract A's ``task_logits``.
-
-    Phase 2 replaces this with ``mergekit_bmm.evaluation.classification.task_logits``.
-    """
-    cache = {task.name: read_task(task) for task in tasks}
-
-    def logits_fn(model_dir: Path):
-        model, tokenizer = load_encoder(model_dir)
-        results = {}
-        for task in tasks:
-            texts, labels, weight, bias, pooling = cache[task.name]
-            features = pooled_features(model, tokenizer, texts, pooling)
-            results[task.name] = (features @ weight.T + bias, labels)
-        return results
-
-    return logits_fn
 
 
 # ----------------------------------------------------------------------------- the smoke setup
@@ -260,17 +231,20 @@ def evaluate_point(
     return point, summary
 
 
-def expert_scores(recipe: dict, tasks: list[HeadTask], logits_fn) -> str:
-    """Each expert on its own task: the ceiling a merge is judged against."""
+def expert_scores(recipe: dict, task_names: list[str], logits_fn) -> str:
+    """Expert i on task i (the recipe's order): the ceiling a merge is judged against."""
     from mergekit_bmm.calibration import accuracy, expected_calibration_error, softmax_probabilities
 
+    experts = [m for m in recipe["models"] if not (m.get("parameters") or {}).get("anchor")]
+    if len(experts) != len(task_names):
+        return "n/a (experts and tasks are not paired one to one)"
     cells = []
-    for model, task in zip(recipe["models"], tasks):
-        logits, labels = logits_fn(Path(model["model"]))[task.name]
+    for model, name in zip(experts, task_names):
+        logits, labels = logits_fn(Path(model["model"]))[name]
         probabilities = softmax_probabilities(logits)
         accuracy_value = accuracy(probabilities, labels)
         ece = expected_calibration_error(probabilities, labels)
-        cells.append(f"{task.name} acc {accuracy_value:.3f} ECE {ece:.3f}")
+        cells.append(f"{name} acc {accuracy_value:.3f} ECE {ece:.3f}")
     return ", ".join(cells)
 
 
@@ -335,9 +309,14 @@ def table(points: list[Point], map_point: Point) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="Build and use the tiny synthetic setup.")
+    parser.add_argument("--recipe", type=Path, help="A bmm recipe to sample (instead of --smoke).")
     parser.add_argument(
-        "--smoke", action="store_true", help="Build and use the tiny synthetic setup (phase 1)."
+        "--tasks", type=Path, help="Classification evaluator config (or a search.yml) for --recipe."
     )
+    parser.add_argument("--split", default="test", help="Split of --tasks to score (default: test).")
+    parser.add_argument("--target", help="Sample tensors whose name contains this (with --recipe).")
+    parser.add_argument("--label", default=None, help="Plot title for --recipe runs.")
     parser.add_argument("--architecture", choices=["llama", "bert"], default="llama")
     parser.add_argument("--experts", type=int, default=2)
     parser.add_argument("--strength", type=float, default=0.3, help="Size of the synthetic experts' updates.")
@@ -355,19 +334,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (tiny models gain nothing).")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    if not args.smoke:
-        parser.error("only --smoke exists so far; the MiniLM benchmark run is added with the benchmark")
+    if args.smoke == bool(args.recipe):
+        parser.error("give either --smoke or --recipe (with --tasks and --target)")
+    if args.recipe and not (args.tasks and args.target):
+        parser.error("--recipe needs --tasks and --target")
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
 
     import mergekit_bmm  # noqa: F401
+    from mergekit_bmm.ensemble import classification_logits_fn
+    from mergekit_bmm.ensemble_config import load_classification_tasks
+    from mergekit_bmm.evaluation.classification import load_examples
     from mergekit_bmm.sampling.run import SamplingRequest
 
     started = time.perf_counter()
-    recipe, tasks, target = build_smoke(
-        args.work / "setup", args.architecture, args.experts, args.strength, args.seed
-    )
-    logits_fn = head_logits_fn(tasks)
+    if args.smoke:
+        recipe, tasks, target = build_smoke(
+            args.work / "setup", args.architecture, args.experts, args.strength, args.seed
+        )
+        config = evaluator_config(tasks)
+        title = f"smoke: tiny {args.architecture}, {args.experts} synthetic tasks, S={args.samples}"
+    else:
+        import yaml
+
+        recipe = yaml.safe_load(args.recipe.read_text(encoding="utf-8"))
+        config = load_classification_tasks(args.tasks, args.split)
+        target = args.target
+        title = f"{args.label or args.recipe.stem}: {len(config.tasks)} tasks, S={args.samples}"
+    task_names = [task.name for task in config.tasks]
+    logits_fn = classification_logits_fn(config)
     samples_dir = args.work / "samples"
     print(
         f"setup ready in {time.perf_counter() - started:.1f} s; sampling {target!r}, S = {args.samples}",
@@ -397,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
         True,
     )
     map_point.parameter = math.inf
-    experts_line = expert_scores(recipe, tasks, logits_fn)
+    experts_line = expert_scores(recipe, task_names, logits_fn)
     print(f"MAP: acc {map_point.accuracy:.4f}  ECE {map_point.ece:.4f}; experts on own tasks: {experts_line}")
     points = []
     for ratio in [float(r) for r in args.ratios.split(",")]:
@@ -419,17 +414,16 @@ def main(argv: list[str] | None = None) -> None:
     mark_pareto(points)
 
     args.results.mkdir(parents=True, exist_ok=True)
-    title = f"smoke: tiny {args.architecture}, {args.experts} synthetic tasks, S={args.samples}"
     title += f"\nsampled: {target}"
     plot(points, map_point, args.results / "calibration.png", title)
     text = table(points, map_point)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    examples = len(read_task(tasks[0])[0])
+    examples = len(load_examples(config.tasks[0])[1])
     footer = (
         "\nMAP: β = ∞ (no noise). noise/‖U_MAP‖ = r: rms std of U − U_MAP over rms(U_MAP) on the sampled "
         f"tensor; posterior std at β = 1 is {record.posterior_std_at_beta_1:.4g}, rms(U_MAP) "
-        f"{record.map_rms:.4g}.\nAccuracy and ECE are unweighted means over {len(tasks)} tasks "
-        f"({examples} test examples each); each expert on its own task: {experts_line}.\n"
+        f"{record.map_rms:.4g}.\nAccuracy and ECE are unweighted means over {len(task_names)} tasks "
+        f"({examples} {args.split} examples in the first); each expert on its own task: {experts_line}.\n"
         f"Total {time.perf_counter() - started:.0f} s, peak RSS {peak_mb:.0f} MB."
     )
     (args.results / "calibration.md").write_text(

@@ -4,7 +4,9 @@ The members are scored one at a time by ``logits_fn(model_dir) -> {task: (logits
 (only one model is in memory at once); per task the ensemble prediction is the average
 of the members' softmax probabilities (paper eq. 13), scored by accuracy, ECE (20 bins)
 and NLL. ``logits_fn`` is where the classification evaluator plugs in: scoring a loaded
-encoder with a task's head (contract A's ``task_logits``) for every task.
+encoder with a task's head (``evaluation.classification.task_logits``) for every task;
+:func:`classification_logits_fn` builds it from the search's classification evaluator
+config, so ensembles are scored exactly like search trials.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from mergekit_bmm.calibration import (
     softmax_probabilities,
 )
 from mergekit_bmm.errors import TensorInputError
+from mergekit_bmm.evaluation.config import ClassificationEvaluatorConfig
 
 LogitsFn = Callable[[Path], Mapping[str, tuple[torch.Tensor, torch.Tensor]]]
 
@@ -100,3 +103,25 @@ def mean_over_tasks(results: Mapping[str, TaskCalibration]) -> dict[str, float]:
         raise TensorInputError("no task results to average")
     keys = ("accuracy", "ece", "nll", "member_accuracy")
     return {key: sum(getattr(r, key) for r in results.values()) / len(results) for key in keys}
+
+
+def classification_logits_fn(config: ClassificationEvaluatorConfig, device: str = "cpu") -> LogitsFn:
+    """``logits_fn`` scoring a model folder on every task of a classification evaluator config."""
+    from mergekit_bmm.evaluation.base import load_model, load_tokenizer, release_memory
+    from mergekit_bmm.evaluation.classification import ClassificationEvaluator, task_logits
+
+    ClassificationEvaluator(config, device)  # checks heads and data now, not after the first member
+
+    def logits_fn(model_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        model = load_model(model_dir, "AutoModel", device)
+        tokenizer = load_tokenizer(model_dir)
+        try:
+            return {
+                task.name: task_logits(model, tokenizer, task, config.max_length, config.batch_size)
+                for task in config.tasks
+            }
+        finally:
+            del model, tokenizer
+            release_memory()
+
+    return logits_fn

@@ -9,6 +9,8 @@ through the start-up hook, print such errors as a single line instead of a trace
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import TracebackType
 
 
@@ -95,3 +97,20 @@ def install_excepthook() -> None:
 def find_bmm_error(error: BaseException) -> BMMError | None:
     """Public wrapper used by our own command-line entry points."""
     return _find_bmm_error(error)
+
+
+@contextmanager
+def exit_on_bmm_error() -> Iterator[None]:
+    """In a command: our errors (even wrapped by a library) become one stderr line and their exit code.
+
+    Anything else propagates with its traceback: it is a bug, not bad input.
+    """
+    try:
+        yield
+    except Exception as error:
+        ours = _find_bmm_error(error)
+        if ours is None:
+            raise
+        print(one_line(ours), file=sys.stderr)
+        sys.stderr.flush()
+        sys.exit(ours.exit_code)

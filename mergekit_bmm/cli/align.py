@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
-from mergekit_bmm.errors import ConfigError, find_bmm_error, one_line
+from mergekit_bmm.errors import ConfigError, exit_on_bmm_error
 
 REPORT_FILES = ("alignment.csv", "alignment.json", "alignment.png")
 
@@ -39,7 +38,7 @@ def main(recipe: str, stats_dir: str, out_dir: str, overwrite: bool, quiet: bool
     """
     from mergekit_bmm.alignment import alignment_rows, recipe_inputs, summarize, summary_table, write_report
 
-    try:
+    with exit_on_bmm_error():
         out = Path(out_dir)
         existing = [name for name in REPORT_FILES if (out / name).exists()]
         if existing and not overwrite:
@@ -50,12 +49,6 @@ def main(recipe: str, stats_dir: str, out_dir: str, overwrite: bool, quiet: bool
         rows = alignment_rows(stats_dir, base, experts, progress=not quiet)
         summaries = summarize(rows)
         paths = write_report(rows, summaries, out)
-    except Exception as error:
-        ours = find_bmm_error(error)
-        if ours is None:
-            raise
-        click.echo(one_line(ours), err=True)
-        sys.exit(ours.exit_code)
     click.echo("\ncos_F(activation Gram, U_tᵀU_t) over modules, per task (and mean per module group):\n")
     click.echo(summary_table(summaries))
     undefined = sum(s.undefined for s in summaries)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
@@ -46,10 +45,10 @@ def main(
     Refuses a folder without a model card, without its recipe, or whose weights no
     longer match the fingerprint recorded at merge time.
     """
-    from mergekit_bmm.errors import BMMError, one_line
+    from mergekit_bmm.errors import exit_on_bmm_error
     from mergekit_bmm.publish import publish_folder
 
-    try:
+    with exit_on_bmm_error():
         paths = publish_folder(
             out_dir,
             repo_id,
@@ -59,9 +58,6 @@ def main(
             base_model_ids=_mapping(base_model_ids),
             commit_message=commit_message,
         )
-    except BMMError as error:
-        click.echo(one_line(error), err=True)
-        sys.exit(error.exit_code)
     total = sum((out_dir / path).stat().st_size for path in paths)
     target = f"{repo_id}@{revision}" if revision else repo_id
     if dry_run:

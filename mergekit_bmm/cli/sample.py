@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import sys
 
 import click
 from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 
-from mergekit_bmm.errors import find_bmm_error, one_line
+from mergekit_bmm.errors import exit_on_bmm_error
 
 
 @click.command("mergekit-bmm-sample", cls=PrettyPrintHelp)
@@ -44,15 +43,9 @@ def main(
     from mergekit_bmm.sampling.run import SamplingRequest, sample_models
 
     merge_options.apply_global_options()
-    try:
+    with exit_on_bmm_error():
         request = SamplingRequest(samples, beta, iid_sigma, name_filter, seed)
         summary = sample_models(recipe, out_dir, request, merge_options)
-    except Exception as error:
-        ours = find_bmm_error(error)
-        if ours is None:
-            raise
-        click.echo(one_line(ours), err=True)
-        sys.exit(ours.exit_code)
     _print_summary(summary, out_dir)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from mergekit_bmm.errors import find_bmm_error, one_line
+from mergekit_bmm.errors import exit_on_bmm_error
 
 
 def _echo(message: str) -> None:
@@ -101,12 +101,13 @@ def main(
         torch.set_num_threads(num_threads)
         threadpool_limits(limits=num_threads)
     try:
-        publish = _publish_plan(push_to_hub, private, base_model_ids, skip_best)
-        finished = _run(
-            search_file, out_dir, resume, force, eval_anchor, skip_best, no_cache, budget, device, quiet
-        )
-        if publish is not None and finished:
-            publish(Path(out_dir) / "best")
+        with exit_on_bmm_error():
+            publish = _publish_plan(push_to_hub, private, base_model_ids, skip_best)
+            finished = _run(
+                search_file, out_dir, resume, force, eval_anchor, skip_best, no_cache, budget, device, quiet
+            )
+            if publish is not None and finished:
+                publish(Path(out_dir) / "best")
     except KeyboardInterrupt:
         click.echo(
             f"mergekit-bmm-search: interrupted; finished trials are kept in {out_dir}/trials.jsonl. "
@@ -114,12 +115,6 @@ def main(
             err=True,
         )
         sys.exit(130)
-    except Exception as error:
-        ours = find_bmm_error(error)
-        if ours is None:
-            raise
-        click.echo(one_line(ours), err=True)
-        sys.exit(ours.exit_code)
     finally:
         signal.signal(signal.SIGTERM, previous)
 

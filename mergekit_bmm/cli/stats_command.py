@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import click
 
-from mergekit_bmm.errors import BMMError, one_line
+from mergekit_bmm.errors import exit_on_bmm_error
 
 
 @click.command("mergekit-bmm-stats")
@@ -41,13 +40,10 @@ def main(config_path: str, out_dir: str, device: str, force: bool, quiet: bool) 
     from mergekit_bmm.stats.collect import collect_statistics, describe
     from mergekit_bmm.stats.config import load_stats_config
 
-    try:
+    with exit_on_bmm_error():
         config = load_stats_config(config_path)
         with logging_redirect_tqdm():
             manifest = collect_statistics(config, out_dir, device=device, force=force, progress=not quiet)
-    except BMMError as error:
-        click.echo(one_line(error), err=True)
-        sys.exit(error.exit_code)
     click.echo(describe(manifest))
     click.echo(f"statistics written to {out_dir}")
 

@@ -6,9 +6,7 @@ not installed; every flag of ``mergekit-yaml`` works unchanged.
 
 from __future__ import annotations
 
-import sys
-
-from mergekit_bmm.errors import find_bmm_error, one_line
+from mergekit_bmm.errors import exit_on_bmm_error
 
 
 def main() -> None:
@@ -16,14 +14,8 @@ def main() -> None:
 
     import mergekit_bmm  # noqa: F401  (registers the methods)
 
-    try:
+    with exit_on_bmm_error():
         mergekit_yaml(standalone_mode=True)
-    except Exception as error:
-        ours = find_bmm_error(error)
-        if ours is None:
-            raise
-        print(one_line(ours), file=sys.stderr)
-        sys.exit(ours.exit_code)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ class SearchConfig(BaseModel):
         return data
 
 
-def _one_line_validation(error: pydantic.ValidationError, source: str) -> str:
+def one_line_validation(error: pydantic.ValidationError, source: str) -> str:
     parts = []
     for detail in error.errors():
         where = ".".join(str(item) for item in detail["loc"])
@@ -144,7 +144,7 @@ def parse_search_config(raw: Any, base_dir: Path, source: str = "search config")
     try:
         return SearchConfig.model_validate(raw, context={"base_dir": Path(base_dir)})
     except pydantic.ValidationError as error:
-        raise ConfigError(_one_line_validation(error, source)) from None
+        raise ConfigError(one_line_validation(error, source)) from None
 
 
 def read_yaml(path: Path, what: str) -> Any:

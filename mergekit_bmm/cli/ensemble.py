@@ -1,0 +1,98 @@
+"""``mergekit-bmm-ensemble``: accuracy and calibration (ECE) of a sampled ensemble against its MAP merge."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from mergekit_bmm.errors import ConfigError, exit_on_bmm_error
+
+REPORT_NAME = "ensemble.json"
+
+
+def ensemble_members(samples_dir: Path) -> tuple[list[Path], Path | None]:
+    """The sample folders listed by ``samples.json`` and the MAP folder, if present."""
+    from mergekit_bmm.sampling.run import INCOMPLETE_MARKER, MAP_DIR, SUMMARY_NAME
+
+    summary = samples_dir / SUMMARY_NAME
+    if (samples_dir / INCOMPLETE_MARKER).exists() or not summary.is_file():
+        raise ConfigError(
+            f"{samples_dir} holds no finished mergekit-bmm-sample run (no {SUMMARY_NAME}); "
+            "run mergekit-bmm-sample --out there first, or let it finish"
+        )
+    members = [samples_dir / name for name in json.loads(summary.read_text(encoding="utf-8"))["members"]]
+    missing = [str(member) for member in members if not member.is_dir()]
+    if missing:
+        raise ConfigError(f"{missing[0]} is listed in {summary} but missing; sample again")
+    map_dir = samples_dir / MAP_DIR
+    return members, (map_dir if map_dir.is_dir() else None)
+
+
+@click.command("mergekit-bmm-ensemble")
+@click.argument("samples_dir", type=click.Path(file_okay=False))
+@click.option(
+    "--tasks",
+    "tasks_file",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Classification evaluator config (type: classification, tasks: …) or a search.yml using one.",
+)
+@click.option(
+    "--split", default=None, help="Score this split of every task (e.g. test) instead of the file's."
+)
+@click.option("--device", default="cpu", show_default=True, help="Device the members are scored on.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def main(samples_dir: str, tasks_file: str, split: str | None, device: str, quiet: bool) -> None:
+    """Score the members of a mergekit-bmm-sample run in SAMPLES_DIR as one ensemble.
+
+    The ensemble averages the members' softmax probabilities (paper eq. 13); accuracy, ECE
+    (20 equal-width confidence bins) and NLL are printed per task next to the MAP merge's,
+    and written to SAMPLES_DIR/ensemble.json.
+    """
+    import mergekit_bmm  # noqa: F401
+    from mergekit_bmm.ensemble import classification_logits_fn, evaluate_ensemble, mean_over_tasks
+    from mergekit_bmm.ensemble_config import load_classification_tasks
+
+    with exit_on_bmm_error():
+        folder = Path(samples_dir)
+        members, map_dir = ensemble_members(folder)
+        config = load_classification_tasks(tasks_file, split)
+        logits_fn = classification_logits_fn(config, device)
+        ensemble = evaluate_ensemble(members, logits_fn, progress=not quiet)
+        map_scores = evaluate_ensemble([map_dir], logits_fn, progress=False) if map_dir else None
+    report = {
+        "members": len(members),
+        "tasks": {name: result.as_dict() for name, result in ensemble.items()},
+        "mean": mean_over_tasks(ensemble),
+        "map": None,
+    }
+    if map_scores:
+        report["map"] = {
+            "tasks": {name: result.as_dict() for name, result in map_scores.items()},
+            "mean": mean_over_tasks(map_scores),
+        }
+    (folder / REPORT_NAME).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    click.echo(_table(report))
+    click.echo(f"\nwrote {folder / REPORT_NAME}")
+
+
+def _table(report: dict) -> str:
+    header = f"{'task':<20} {'examples':>8} {'acc':>7} {'ECE':>7} {'NLL':>7} │ {'MAP acc':>7} {'MAP ECE':>7}"
+    lines = [f"ensemble of {report['members']} samples (20-bin ECE)", header, "─" * len(header)]
+    rows = list(report["tasks"].items()) + [("mean", report["mean"])]
+    for name, row in rows:
+        map_row = report["map"]["tasks"].get(name) if report["map"] and name != "mean" else None
+        if report["map"] and name == "mean":
+            map_row = report["map"]["mean"]
+        examples = f"{row['examples']:>8}" if "examples" in row else " " * 8
+        tail = f"{map_row['accuracy']:>7.4f} {map_row['ece']:>7.4f}" if map_row else f"{'–':>7} {'–':>7}"
+        lines.append(
+            f"{name:<20} {examples} {row['accuracy']:>7.4f} {row['ece']:>7.4f} {row['nll']:>7.4f} │ {tail}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
