@@ -26,7 +26,7 @@ of producing NaN.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -160,12 +160,30 @@ def zero_tolerance(eigenvalue_max: float, d_in: int, dtype: torch.dtype) -> floa
     return max(eigenvalue_max, 0.0) * d_in * torch.finfo(dtype).eps
 
 
+def _diagonal_max(gram: torch.Tensor) -> float:
+    # max(diag) is a cheap stand-in for λ_max (within a factor d_in, no eigensolve).
+    return float(torch.diagonal(gram).max()) if gram.numel() else 0.0
+
+
+def _ridge_is_regular(ridge: float, diagonal_max: float, d_in: int, dtype: torch.dtype) -> bool:
+    """Whether ``G + λ'I`` is solved as is (True) or by the λ' → 0⁺ limit (False)."""
+    return ridge > zero_tolerance(diagonal_max, d_in, dtype)
+
+
 @dataclass(frozen=True)
 class EigenFactors:
     """``G = Q Λ Qᵀ`` with ``C Q`` and ``U0 Q``: everything a new λ needs.
 
-    ``U(λ') = (C Q · a + U0 Q · b) Qᵀ`` with ``a = 1/(Λ+λ')`` and ``b = λ'/(Λ+λ')`` for
-    the eigenvalues above the zero tolerance and ``a = 0, b = 1`` for the others.
+    ``U(λ') = (C Q · a + U0 Q · b) Qᵀ`` with ``a = 1/(Λ+λ')`` and ``b = λ'/(Λ+λ')``.
+    Where :func:`solve` would take its eigen fallback (λ' at or below the zero tolerance
+    of ``max diag G``), eigenvalues below the zero tolerance get ``a = 0, b = 1`` instead,
+    exactly as that fallback does; above it no eigenvalue is clipped, as in the Cholesky
+    solve (clipping there would drop real, small directions of ``G``).
+
+    Factors may be stored at a lower precision than the solve (float16 in a cache), as
+    matrices whose columns are multiplied by ``*_scale`` vectors; the scales are folded
+    into ``a`` and ``b``, so no rescaled copy of a matrix is ever made. The eigenvalues'
+    dtype is the dtype of the solve.
     """
 
     basis: torch.Tensor
@@ -173,10 +191,28 @@ class EigenFactors:
     cross_basis: torch.Tensor
     anchor_basis: torch.Tensor
     mean_eigenvalue: float
+    diagonal_max: float | None = None
+    basis_scale: torch.Tensor | None = None
+    cross_scale: torch.Tensor | None = None
+    anchor_scale: torch.Tensor | None = None
 
     @property
     def d_in(self) -> int:
         return self.basis.shape[0]
+
+    def to(self, device: torch.device | str) -> EigenFactors:
+        """The same factors on ``device`` (no copy when already there)."""
+        moved = {
+            field.name: value.to(device) if isinstance(value, torch.Tensor) else value
+            for field in fields(self)
+            if (value := getattr(self, field.name)) is not None
+        }
+        return EigenFactors(**moved)
+
+    def decoded_basis(self, dtype: torch.dtype) -> torch.Tensor:
+        """``Q`` itself in ``dtype`` (its column scales applied when stored in float16)."""
+        basis = self.basis.to(dtype)
+        return basis if self.basis_scale is None else basis * self.basis_scale.to(dtype)
 
     def ridge(self, lam: float, mode: LambdaMode = "relative") -> float:
         if lam < 0 or lam != lam:
@@ -191,36 +227,64 @@ def _check_anchor(equations: NormalEquations, anchor: torch.Tensor) -> None:
         )
 
 
-def eigen_factors(equations: NormalEquations, anchor: torch.Tensor) -> EigenFactors:
-    """Diagonalise ``G`` once; any λ is then a single (out × in × in) product."""
+def eigen_factors(
+    equations: NormalEquations, anchor: torch.Tensor, dtype: torch.dtype | None = None
+) -> EigenFactors:
+    """Diagonalise ``G`` once; any λ is then a single (out × in × in) product.
+
+    ``dtype`` (default: the Gram's) is the precision of the factorisation. Computing it
+    in float64 and rounding the factors afterwards makes the factored route as accurate
+    as a float64 solve of the same ``G`` and ``C``: each column of ``C Q`` is then right
+    to its own relative precision, whereas a float32 ``eigh`` and ``C Q`` carry errors
+    of ``eps·‖C‖`` that ``1/(λ_i + λ')`` amplifies in the small directions.
+    """
     _check_anchor(equations, anchor)
-    gram = 0.5 * (equations.gram + equations.gram.T)
-    eigenvalues, basis = torch.linalg.eigh(gram)
-    anchor = anchor.to(device=basis.device, dtype=basis.dtype)
+    dtype = dtype or equations.gram.dtype
+    gram = equations.gram.to(dtype)
+    eigenvalues, basis = torch.linalg.eigh(0.5 * (gram + gram.T))
+    del gram
+    anchor = anchor.to(device=basis.device, dtype=dtype)
     return EigenFactors(
         basis=basis,
         eigenvalues=eigenvalues,
-        cross_basis=equations.cross.to(basis.dtype) @ basis,
+        cross_basis=equations.cross.to(dtype) @ basis,
         anchor_basis=anchor @ basis,
         mean_eigenvalue=equations.mean_eigenvalue,
+        diagonal_max=_diagonal_max(equations.gram),
     )
+
+
+def factor_coefficients(factors: EigenFactors, ridge: float) -> torch.Tensor:
+    """``C Q·a + U0 Q·b``, so that ``U(λ') = coefficients @ basisᵀ`` (the stored basis)."""
+    if ridge < 0 or ridge != ridge:
+        raise ConfigError(f"the effective ridge must be >= 0; got {ridge}")
+    eigenvalues = factors.eigenvalues
+    compute = eigenvalues.dtype
+    scale = factors.diagonal_max if factors.diagonal_max is not None else float(eigenvalues.max())
+    if _ridge_is_regular(ridge, scale, factors.d_in, compute):
+        eigenvalues = eigenvalues.clamp_min(0.0)
+        kept = torch.ones_like(eigenvalues, dtype=torch.bool)
+    else:
+        kept = eigenvalues > zero_tolerance(float(eigenvalues.max()), factors.d_in, compute)
+    denominator = torch.where(kept, eigenvalues + ridge, torch.ones_like(eigenvalues))
+    data_weight = torch.where(kept, 1.0 / denominator, torch.zeros_like(eigenvalues))
+    anchor_weight = torch.where(kept, ridge / denominator, torch.ones_like(eigenvalues))
+    for scale, weights in (
+        (factors.cross_scale, (data_weight,)),
+        (factors.anchor_scale, (anchor_weight,)),
+        (factors.basis_scale, (data_weight, anchor_weight)),
+    ):
+        for weight in weights if scale is not None else ():
+            weight.mul_(scale.to(compute))
+    # Mixed-precision operands are widened element by element: no converted copies.
+    coefficients = torch.mul(factors.anchor_basis, anchor_weight)
+    return coefficients.addcmul_(factors.cross_basis, data_weight)
 
 
 def solve_from_factors(factors: EigenFactors, ridge: float) -> torch.Tensor:
     """``U(λ')`` from cached eigen factors (exact, including λ' = 0 on singular ``G``)."""
-    if ridge < 0 or ridge != ridge:
-        raise ConfigError(f"the effective ridge must be >= 0; got {ridge}")
-    compute = factors.basis.dtype
-    eigenvalues = factors.eigenvalues.to(compute)
-    tolerance = zero_tolerance(float(eigenvalues.max()), factors.d_in, compute)
-    kept = eigenvalues > tolerance
-    denominator = torch.where(kept, eigenvalues + ridge, torch.ones_like(eigenvalues))
-    data_weight = torch.where(kept, 1.0 / denominator, torch.zeros_like(eigenvalues))
-    anchor_weight = torch.where(kept, ridge / denominator, torch.ones_like(eigenvalues))
-    coefficients = (
-        factors.cross_basis.to(compute) * data_weight + factors.anchor_basis.to(compute) * anchor_weight
-    )
-    return coefficients @ factors.basis.T.to(compute)
+    coefficients = factor_coefficients(factors, ridge)
+    return coefficients @ factors.basis.T.to(coefficients.dtype)
 
 
 def solve(equations: NormalEquations, anchor: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -230,9 +294,7 @@ def solve(equations: NormalEquations, anchor: torch.Tensor, ridge: float) -> tor
         raise ConfigError(f"the effective ridge must be >= 0; got {ridge}")
     gram = equations.gram
     anchor = anchor.to(device=gram.device, dtype=gram.dtype)
-    # max(diag) is a cheap stand-in for λ_max (within a factor d_in, no eigensolve).
-    scale = float(torch.diagonal(gram).max()) if gram.numel() else 0.0
-    if ridge > zero_tolerance(scale, equations.d_in, gram.dtype):
+    if _ridge_is_regular(ridge, _diagonal_max(gram), equations.d_in, gram.dtype):
         system = gram + ridge * torch.eye(equations.d_in, dtype=gram.dtype, device=gram.device)
         factor, info = torch.linalg.cholesky_ex(system)
         if int(info) == 0:

@@ -83,6 +83,53 @@ def _forwarded(method, parameters: Mapping[str, Any], entries: Sequence[TensorEn
     return forwarded
 
 
+def _anchor_call(
+    base: TensorEntry, tasks: Sequence[TensorEntry], method_name: str, parameters: Mapping[str, Any]
+):
+    """The anchor method, the inputs it takes, and its parameters from the recipe."""
+    from mergekit.merge_methods import registry
+
+    method = registry.get(method_name)
+    takes_base = method.spec.contract.base in (BasePolicy.REQUIRED, BasePolicy.OPTIONAL)
+    entries = (base, *tasks) if takes_base else tuple(tasks)
+    if not takes_base:
+        entries = tuple(TensorEntry(id=e.id, tensor=e.tensor, is_base=False) for e in entries)
+    return method, entries, _forwarded(method, parameters, entries)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready copy of a parameter value (model ids become their names)."""
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def anchor_dependencies(
+    group: TensorGroup,
+    tasks: Sequence[TensorEntry],
+    anchor_entry: TensorEntry | None,
+    method_name: str | None,
+    parameters: Mapping[str, Any],
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Everything ``anchor_weight`` depends on besides the input tensors (for cache keys)."""
+    if anchor_entry is not None:
+        return {"input": str(anchor_entry.id)}
+    if method_name == PRETRAINED_ANCHOR or not tasks:
+        return {"method": PRETRAINED_ANCHOR}
+    _, entries, forwarded = _anchor_call(group.base, tasks, method_name, parameters)
+    return {
+        "method": method_name,
+        "inputs": [str(e.id) for e in entries],
+        "parameters": _plain(forwarded),
+        "seed": seed,
+    }
+
+
 def anchor_weight(
     group: TensorGroup,
     tasks: Sequence[TensorEntry],
@@ -99,15 +146,8 @@ def anchor_weight(
     if method_name == PRETRAINED_ANCHOR or not tasks:
         return base.tensor.to(dtype)
 
-    from mergekit.merge_methods import registry
-
-    method = registry.get(method_name)
-    takes_base = method.spec.contract.base in (BasePolicy.REQUIRED, BasePolicy.OPTIONAL)
-    entries = (base, *tasks) if takes_base else tuple(tasks)
-    if not takes_base:
-        entries = tuple(TensorEntry(id=e.id, tensor=e.tensor, is_base=False) for e in entries)
+    method, entries, forwarded = _anchor_call(base, tasks, method_name, parameters)
     sub_group = TensorGroup(entries=entries, metadata=group.metadata)
-    forwarded = _forwarded(method, parameters, entries)
 
     device = base.tensor.device
     devices = [device] if device.type == "cuda" else []

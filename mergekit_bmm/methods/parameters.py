@@ -16,6 +16,7 @@ Two kinds of parameters reach the kernel:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -86,6 +87,15 @@ def _known_anchor(value: str) -> str:
     )
 
 
+def _cache_directory(value: str) -> str:
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise ConfigError(
+            f"bmm parameter `cache`: {value} exists and is not a directory; give a directory "
+            "(it is created if missing)"
+        )
+    return value
+
+
 def own_parameters() -> tuple[ParameterSpec, ...]:
     """BMM's own parameters (shared unless noted)."""
     shared = ParameterScope.SHARED
@@ -138,6 +148,21 @@ def own_parameters() -> tuple[ParameterSpec, ...]:
         ),
         CheckedParameter("anchor_seed", int, shared, default=0, description="integer seed"),
         CheckedParameter(
+            "cache",
+            str | None,
+            shared,
+            default=None,
+            description="directory for the lambda-independent factor cache",
+            check=_cache_directory,
+        ),
+        CheckedParameter(
+            "cache_dtype",
+            Literal["float32", "float16", "float64"] | None,
+            shared,
+            default=None,
+            description="precision of cached factors (float32, float16 or float64)",
+        ),
+        CheckedParameter(
             "anchor",
             bool,
             ParameterScope.NON_BASE,
@@ -187,6 +212,9 @@ def build_spec(
     )
 
 
+_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+
 @dataclass(frozen=True)
 class BMMSettings:
     """The typed, per-tensor view of BMM's own parameters."""
@@ -201,6 +229,8 @@ class BMMSettings:
     compute_dtype: torch.dtype
     weight_layout: str
     anchor_seed: int
+    cache: str | None = None
+    cache_dtype: torch.dtype | None = None
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, Any]) -> BMMSettings:
@@ -216,6 +246,8 @@ class BMMSettings:
             compute_dtype=dtype,
             weight_layout=parameters["weight_layout"],
             anchor_seed=parameters["anchor_seed"],
+            cache=parameters.get("cache") or None,
+            cache_dtype=_DTYPES[parameters.get("cache_dtype") or parameters["compute_dtype"]],
         )
         if settings.gram in ("activations", "mix") and not settings.stats:
             raise ConfigError(

@@ -1,0 +1,198 @@
+"""What a cached factor depends on, written down as a key (see :mod:`mergekit_bmm.factor_cache`).
+
+A key is canonical JSON with:
+
+* the format, this package's and mergekit's versions, the tensor name;
+* every input in order, with its role (base, expert, anchor), its name, and its content:
+  for mergekit's model references the checkpoint fingerprint
+  (:func:`~mergekit_bmm.fingerprint.model_fingerprint`) plus a hash of 16 evenly spaced
+  runs of 256 elements of the tensor actually handed to the kernel (an in-place rewrite that
+  mergekit's loader cache still serves stale, or an edit the file fingerprint's samples
+  miss, is caught unless it leaves every sampled run unchanged); for plain ids (Python API)
+  a hash of the whole tensor. Shape and dtype too: the recipe's ``dtype`` rounds the
+  inputs before BMM sees them;
+* the anchor: method, the parameters forwarded to it, ``anchor_seed`` (and the content of
+  a statistics directory forwarded to it as ``stats``, for ``regmean``) — or which input is
+  marked ``anchor: true``;
+* for solved tensors: the Gram mode, the statistics' fingerprint (``activations``/``mix``),
+  ε for ``mix`` (it changes ``G``), compute dtype, orientation and stored precision.
+
+λ, ``lambda_mode`` and ``s`` are not in the key: they are applied to the factors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from mergekit.merge_methods.base import TensorEntry, TensorGroup
+
+from mergekit_bmm.factor_cache import CACHE_FORMAT
+from mergekit_bmm.fingerprint import file_fingerprint, model_fingerprint
+from mergekit_bmm.methods.anchor import anchor_dependencies
+from mergekit_bmm.methods.parameters import BMMSettings
+
+SAMPLE_RUNS = 16
+SAMPLE_RUN = 256
+
+
+@lru_cache(maxsize=1)
+def _versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    import mergekit_bmm
+
+    return {"mergekit_bmm": mergekit_bmm.__version__, "mergekit": version("mergekit")}
+
+
+def _tensor_bytes(tensor: torch.Tensor):
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def content_digest(tensor: torch.Tensor) -> str:
+    """Hash of every byte of ``tensor``."""
+    return hashlib.sha256(_tensor_bytes(tensor)).hexdigest()[:32]
+
+
+def sample_digest(tensor: torch.Tensor) -> str:
+    """Hash of ``SAMPLE_RUNS`` evenly spaced runs of ``SAMPLE_RUN`` elements.
+
+    Runs of consecutive elements touch a few pages of a memory-mapped checkpoint where
+    single elements spread over the tensor would fault in every page of it.
+    """
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() > SAMPLE_RUNS * SAMPLE_RUN:
+        starts = torch.linspace(0, flat.numel() - SAMPLE_RUN, SAMPLE_RUNS).long().tolist()
+        flat = torch.cat([flat[start : start + SAMPLE_RUN] for start in starts])
+    return hashlib.sha256(_tensor_bytes(flat)).hexdigest()[:32]
+
+
+def reference_fingerprint(entry_id: Any) -> str:
+    """Fingerprint of a mergekit ModelReference's local folders ("" when not all are local)."""
+    parts = []
+    for model_path in (getattr(entry_id, "model", None), getattr(entry_id, "lora", None)):
+        if model_path is None:
+            continue
+        path = getattr(model_path, "path", None)
+        fingerprint = model_fingerprint(path) if isinstance(path, str) else ""
+        if not fingerprint:
+            return ""
+        parts.append(fingerprint)
+    return "+".join(parts)
+
+
+def input_identity(entry: TensorEntry, role: str) -> dict[str, Any]:
+    identity = {
+        "role": role,
+        "id": str(entry.id),
+        "shape": list(entry.tensor.shape),
+        "dtype": str(entry.tensor.dtype),
+    }
+    fingerprint = reference_fingerprint(entry.id)
+    if fingerprint:
+        identity.update(fingerprint=fingerprint, sample=sample_digest(entry.tensor))
+    else:
+        identity["content"] = content_digest(entry.tensor)
+    return identity
+
+
+def stats_fingerprint(stats_dir: str | None) -> str:
+    """Fingerprint of a statistics directory: its manifest and every Gram file."""
+    if not stats_dir:
+        return ""
+    from mergekit_bmm.stats.store import GRAM_DIR, MANIFEST
+
+    directory = Path(stats_dir)
+    files = [directory / MANIFEST, *sorted((directory / GRAM_DIR).glob("*.safetensors"))]
+    stamp = []
+    for path in files:
+        try:
+            status = path.stat()
+        except OSError:
+            continue
+        stamp.append((str(path), status.st_size, status.st_mtime_ns))
+    return _stats_fingerprint(tuple(stamp))
+
+
+@lru_cache(maxsize=64)
+def _stats_fingerprint(stamp: tuple[tuple[str, int, int], ...]) -> str:
+    digest = hashlib.sha256()
+    for path, _, _ in stamp:
+        digest.update(file_fingerprint(path).encode())
+    return "sha256:" + digest.hexdigest()[:32]
+
+
+def _inputs(
+    group: TensorGroup, tasks: Sequence[TensorEntry], anchor_entry: TensorEntry | None
+) -> list[dict[str, Any]]:
+    identities = [input_identity(group.base, "base")]
+    identities += [input_identity(entry, "expert") for entry in tasks]
+    if anchor_entry is not None:
+        identities.append(input_identity(anchor_entry, "anchor"))
+    return identities
+
+
+def _dump(description: dict[str, Any]) -> str:
+    return json.dumps(description, sort_keys=True, separators=(",", ":"))
+
+
+def _common(
+    settings: BMMSettings,
+    group: TensorGroup,
+    tasks: Sequence[TensorEntry],
+    anchor_entry: TensorEntry | None,
+    method_name: str | None,
+    parameters: Mapping[str, Any],
+) -> dict[str, Any]:
+    anchor = anchor_dependencies(group, tasks, anchor_entry, method_name, parameters, settings.anchor_seed)
+    forwarded_stats = anchor.get("parameters", {}).get("stats")
+    if isinstance(forwarded_stats, str):  # an anchor that reads Grams (regmean): their content too
+        anchor["stats_fingerprint"] = stats_fingerprint(forwarded_stats)
+    return {
+        "format": CACHE_FORMAT,
+        "versions": _versions(),
+        "tensor": group.metadata.name or "",
+        "inputs": _inputs(group, tasks, anchor_entry),
+        "anchor": anchor,
+        "compute_dtype": str(settings.compute_dtype),
+    }
+
+
+def anchor_key(
+    settings: BMMSettings,
+    group: TensorGroup,
+    tasks: Sequence[TensorEntry],
+    anchor_entry: TensorEntry | None,
+    method_name: str | None,
+    parameters: Mapping[str, Any],
+) -> str:
+    """Key of an anchor result (tensors BMM does not solve)."""
+    common = _common(settings, group, tasks, anchor_entry, method_name, parameters)
+    return _dump({**common, "kind": "anchor"})
+
+
+def factor_key(
+    settings: BMMSettings,
+    group: TensorGroup,
+    tasks: Sequence[TensorEntry],
+    anchor_entry: TensorEntry | None,
+    method_name: str | None,
+    parameters: Mapping[str, Any],
+    transpose: bool,
+) -> str:
+    """Key of a solved tensor's eigen factors."""
+    description = _common(settings, group, tasks, anchor_entry, method_name, parameters)
+    description.update(
+        kind="factors",
+        gram=settings.gram,
+        stats=stats_fingerprint(settings.stats) if settings.gram != "data_free" else None,
+        epsilon=settings.epsilon if settings.gram == "mix" else None,
+        transpose=transpose,
+        precision=str(settings.cache_dtype),
+    )
+    return _dump(description)

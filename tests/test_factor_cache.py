@@ -1,0 +1,298 @@
+"""``cache:`` of bmm through the Python API: same results as the direct route, safe keys, robust files."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import reference_solve, relative_error
+from mergekit.merge_methods.api import merge_tensors
+
+import mergekit_bmm  # noqa: F401  (registers bmm)
+from mergekit_bmm import closed_form
+from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.stats.store import StatsManifest, TaskStats, write_grams, write_manifest
+
+NAME = "model.layers.1.mlp.down_proj.weight"
+
+
+def inputs(shape=(48, 32), tasks=3, seed=0, dtype=torch.float32) -> list[torch.Tensor]:
+    """Base + experts whose Gram is full rank and well conditioned."""
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=generator, dtype=torch.float64)
+    experts = [
+        base + 0.1 * torch.randn(shape, generator=generator, dtype=torch.float64) for _ in range(tasks)
+    ]
+    return [t.to(dtype) for t in (base, *experts)]
+
+
+def bmm(tensors, name=NAME, ids=None, **parameters) -> torch.Tensor:
+    parameters = {"weight": [0.3] * (len(tensors) - 1), **parameters}
+    return merge_tensors(tensors, "bmm", base_index=0, name=name, ids=ids, parameters=parameters)
+
+
+def entries(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.glob("*.safetensors"))
+
+
+def delta_error(got, expected, base) -> float:
+    return relative_error(got.double() - base.double(), expected.double() - base.double())
+
+
+@pytest.fixture
+def factorisations(monkeypatch):
+    """Counts eigendecompositions, i.e. cache misses of solved tensors."""
+    calls = []
+    original = closed_form.eigen_factors
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(closed_form, "eigen_factors", counting)
+    return calls
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.01, 0.1, 1.0, 10.0])
+def test_cached_trials_match_the_direct_route_in_float32(tmp_path, lam):
+    tensors = inputs()
+    base = tensors[0]
+    vectors = [t.double() - base.double() for t in tensors[1:]]
+    for scale in (1.0, 0.7):
+        direct = bmm(tensors, **{"lambda": lam, "scale": scale})
+        cached = bmm(tensors, cache=str(tmp_path), **{"lambda": lam, "scale": scale})
+        assert delta_error(cached, direct, base) <= 1e-5
+        if lam > 0:
+            expected = base.double() + scale * reference_solve(vectors, 0.3 * sum(vectors), lam)
+            assert delta_error(cached, expected, base) <= 1e-5
+    assert len(entries(tmp_path)) == 1  # every λ and s reads the same factors
+
+
+def test_reading_merges_equal_the_filling_merge_and_skip_the_factorisation(tmp_path, factorisations):
+    tensors = inputs(seed=1)
+    first = bmm(tensors, cache=str(tmp_path), **{"lambda": 0.2, "scale": 1.1})
+    assert len(factorisations) == 1
+    again = bmm(tensors, cache=str(tmp_path), **{"lambda": 0.2, "scale": 1.1})
+    other = bmm(tensors, cache=str(tmp_path), lambda_mode="absolute", **{"lambda": 3.0, "scale": 0.5})
+    assert len(factorisations) == 1
+    assert torch.equal(first, again)
+    assert (
+        delta_error(other, bmm(tensors, lambda_mode="absolute", **{"lambda": 3.0, "scale": 0.5}), tensors[0])
+        < 1e-5
+    )
+
+
+def test_bfloat16_inputs_come_back_in_bfloat16(tmp_path):
+    tensors = inputs(seed=10, dtype=torch.bfloat16)
+    direct = bmm(tensors, **{"lambda": 0.3, "scale": 0.9})
+    cached = bmm(tensors, cache=str(tmp_path), **{"lambda": 0.3, "scale": 0.9})
+    assert cached.dtype == torch.bfloat16
+    # Both round the same float32 W to bfloat16; they may differ by one unit in the last place.
+    ulp = torch.finfo(torch.bfloat16).eps * direct.float().abs().max()
+    assert (cached.float() - direct.float()).abs().max() <= 2 * ulp
+
+
+def test_float64_cache_is_tighter(tmp_path):
+    tensors = inputs(seed=2, dtype=torch.float64)
+    for lam in (0.0, 0.05, 1.0):
+        direct = bmm(tensors, compute_dtype="float64", **{"lambda": lam})
+        cached = bmm(tensors, compute_dtype="float64", cache=str(tmp_path), **{"lambda": lam})
+        assert delta_error(cached, direct, tensors[0]) <= 1e-12
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / entries(tmp_path)[0]), framework="pt") as handle:
+        assert handle.get_tensor("basis").dtype == torch.float64
+
+
+def _limit_reference(vectors, anchor, lam):
+    """float64 MAP; at λ = 0 the λ → 0⁺ limit ``C G⁺ + U0 (I − G G⁺)``."""
+    if lam > 0:
+        return reference_solve(vectors, anchor, lam)
+    gram = sum(v.T @ v for v in vectors)
+    cross = sum(v @ v.T @ v for v in vectors)
+    pseudo = torch.linalg.pinv(gram, hermitian=True)
+    return cross @ pseudo + anchor @ (torch.eye(gram.shape[0], dtype=gram.dtype) - gram @ pseudo)
+
+
+@pytest.mark.parametrize("lam", [0.0, 1e-9, 1e-7, 0.1, 1.0])
+def test_lambda_to_zero_on_a_singular_gram(tmp_path, lam):
+    # Two 4-row task vectors over 16 inputs: G has rank 8 of 16.
+    tensors = inputs(shape=(4, 16), tasks=2, seed=3)
+    base = tensors[0]
+    vectors = [t.double() - base.double() for t in tensors[1:]]
+    direct = bmm(tensors, weight=[0.5, 0.5], **{"lambda": lam})
+    cached = bmm(tensors, weight=[0.5, 0.5], cache=str(tmp_path), **{"lambda": lam})
+    assert torch.isfinite(cached).all()
+    assert delta_error(cached, direct, base) <= 1e-5
+    expected = base.double() + _limit_reference(vectors, 0.5 * sum(vectors), lam)
+    assert delta_error(cached, expected, base) <= 1e-5
+
+
+def test_float16_factors_halve_the_cache_at_a_small_measured_error(tmp_path):
+    tensors = inputs(shape=(96, 64), tasks=4, seed=4)
+    direct = bmm(tensors, **{"lambda": 0.1})
+    single = bmm(tensors, cache=str(tmp_path / "f32"), **{"lambda": 0.1})
+    half = bmm(tensors, cache=str(tmp_path / "f16"), cache_dtype="float16", **{"lambda": 0.1})
+    assert delta_error(single, direct, tensors[0]) <= 1e-5
+    assert 1e-5 < delta_error(half, direct, tensors[0]) <= 2e-3
+    assert torch.equal(
+        half, bmm(tensors, cache=str(tmp_path / "f16"), cache_dtype="float16", **{"lambda": 0.1})
+    )
+    sizes = {p: (tmp_path / p / entries(tmp_path / p)[0]).stat().st_size for p in ("f32", "f16")}
+    weights = 96 * 64
+    # Q (in × in), C Q and U0 Q (out × in): 4·(in/out + 2) bytes per weight in float32.
+    assert sizes["f32"] / weights == pytest.approx(4 * (64 / 96 + 2), rel=0.05)
+    assert sizes["f16"] / weights == pytest.approx(2 * (64 / 96 + 2), rel=0.1)
+
+
+def test_the_key_covers_inputs_anchor_and_solve_settings(tmp_path, factorisations):
+    tensors = inputs(seed=5)
+    cache = str(tmp_path)
+    bmm(tensors, cache=cache)
+    changed_expert = [*tensors[:2], tensors[2] + 1e-4, tensors[3]]
+    marked = [*tensors, tensors[0] + 0.2 * (tensors[1] - tensors[0])]
+    variants = [
+        ({"tensors": changed_expert}, {}),
+        ({}, {"weight": [0.2, 0.3, 0.3]}),
+        ({}, {"anchor_method": "ties", "density": 0.5}),
+        ({}, {"anchor_lambda": 0.5}),
+        ({}, {"anchor_seed": 7}),
+        ({}, {"anchor_method": "pretrained"}),
+        ({"tensors": marked}, {"weight": [0.3] * 4, "anchor": [False, False, False, True]}),
+        ({}, {"compute_dtype": "float64"}),
+        ({}, {"cache_dtype": "float16"}),
+        ({}, {"weight_layout": "in_out"}),
+        ({"name": "model.layers.2.mlp.down_proj.weight"}, {}),
+    ]
+    for index, (call, parameters) in enumerate(variants, start=2):
+        merged = bmm(call.get("tensors", tensors), name=call.get("name", NAME), cache=cache, **parameters)
+        assert len(entries(tmp_path)) == index, parameters
+        direct = bmm(call.get("tensors", tensors), name=call.get("name", NAME), **parameters)
+        tolerance = 1e-3 if parameters.get("cache_dtype") == "float16" else 1e-5
+        assert delta_error(merged, direct, tensors[0]) <= tolerance, parameters
+    assert len(factorisations) == len(variants) + 1
+    # λ, s and lambda_mode are applied to the factors: no new entry, no factorisation.
+    bmm(tensors, cache=cache, lambda_mode="absolute", **{"lambda": 2.0, "scale": 0.3})
+    assert len(entries(tmp_path)) == len(variants) + 1
+    assert len(factorisations) == len(variants) + 1
+
+
+def _stats_dir(root: Path, ids: list[str], in_features: int, seed: int) -> Path:
+    generator = torch.Generator().manual_seed(seed)
+    tasks = []
+    for index, model in enumerate(ids):
+        activations = torch.randn(in_features, 3 * in_features, generator=generator)
+        write_grams(root / "grams" / f"t{index}.safetensors", {"g": activations @ activations.T / 96})
+        tasks.append(
+            TaskStats(name=f"t{index}", model=model, file=f"t{index}.safetensors", samples=4, tokens=96)
+        )
+    manifest = StatsManifest(package_version=mergekit_bmm.__version__, tasks=tasks, modules={NAME: "g"})
+    write_manifest(root, manifest)
+    return root
+
+
+def test_statistics_and_epsilon_are_keyed(tmp_path):
+    tensors = inputs(seed=6)
+    ids = ["/models/base", "/models/a", "/models/b", "/models/c"]
+    stats = _stats_dir(tmp_path / "stats", ids[1:], 32, seed=0)
+    cache = tmp_path / "cache"
+
+    def both(**parameters):
+        parameters = {"stats": str(stats), **parameters}
+        cached = bmm(tensors, ids=ids, cache=str(cache), **parameters)
+        direct = bmm(tensors, ids=ids, **parameters)
+        assert delta_error(cached, direct, tensors[0]) <= 1e-5
+
+    both(gram="activations")
+    both(gram="activations", **{"lambda": 0.5})
+    assert len(entries(cache)) == 1
+    both(gram="mix", epsilon=0.3)
+    both(gram="mix", epsilon=0.6)  # ε changes G: a new entry
+    assert len(entries(cache)) == 3
+    _stats_dir(stats, ids[1:], 32, seed=1)  # statistics collected again, different data
+    both(gram="activations")
+    assert len(entries(cache)) == 4
+
+
+def test_statistics_of_a_regmean_anchor_are_keyed(tmp_path):
+    tensors = inputs(seed=9)
+    ids = ["/models/base", "/models/a", "/models/b", "/models/c"]
+    stats = _stats_dir(tmp_path / "stats", ids[1:], 32, seed=0)
+    cache = tmp_path / "cache"
+    parameters = {"anchor_method": "regmean", "stats": str(stats), "lambda": 0.5}
+
+    def check():
+        cached = bmm(tensors, ids=ids, cache=str(cache), **parameters)
+        assert delta_error(cached, bmm(tensors, ids=ids, **parameters), tensors[0]) <= 1e-5
+
+    check()
+    check()
+    assert len(entries(cache)) == 1
+    _stats_dir(stats, ids[1:], 32, seed=1)  # the anchor's statistics collected again
+    check()
+    assert len(entries(cache)) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
+def test_a_damaged_entry_is_ignored_logged_and_rewritten(tmp_path, caplog, factorisations, damage):
+    tensors = inputs(seed=7)
+    first = bmm(tensors, cache=str(tmp_path))
+    assert torch.equal(bmm(tensors, cache=str(tmp_path)), first)  # read and verified once
+    (name,) = entries(tmp_path)
+    path = tmp_path / name
+    data = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) - 100])
+    elif damage == "flip":
+        path.write_bytes(data[:-5] + bytes([data[-5] ^ 0x10]) + data[-4:])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00not a safetensors file" * 10)
+    else:
+        path.write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="mergekit_bmm"):
+        again = bmm(tensors, cache=str(tmp_path))
+    assert torch.equal(again, first)
+    assert any("bmm cache: ignoring" in r.getMessage() and name in r.getMessage() for r in caplog.records)
+    assert len(factorisations) == 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mergekit_bmm"):
+        assert torch.equal(bmm(tensors, cache=str(tmp_path)), first)
+    assert not caplog.records and len(factorisations) == 2  # the rewritten entry is read
+
+
+def test_unsolved_tensors_cache_computed_anchors_only(tmp_path):
+    tensors = inputs(shape=(40, 16), seed=8)
+    embed = "model.embed_tokens.weight"
+    first = bmm(tensors, name=embed, cache=str(tmp_path), anchor_method="ties", density=0.5)
+    assert len(entries(tmp_path)) == 1
+    again = bmm(tensors, name=embed, cache=str(tmp_path), anchor_method="ties", density=0.5)
+    assert torch.equal(first, again)
+    assert torch.equal(first, bmm(tensors, name=embed, anchor_method="ties", density=0.5))
+    bmm(tensors, name=embed, cache=str(tmp_path), anchor_method="pretrained")
+    norm = [t[0] for t in tensors]
+    bmm(norm, name="model.layers.0.input_layernorm.weight", cache=str(tmp_path))
+    assert len(entries(tmp_path)) == 1
+
+
+def test_cache_that_is_a_file_is_a_config_error(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("x")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        bmm(inputs(), cache=str(target))
+
+
+def test_unknown_cache_dtype_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cache_dtype"):
+        bmm(inputs(), cache=str(tmp_path), cache_dtype="bfloat16")
+
+
+def test_an_unwritable_cache_only_logs(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    tensors = inputs(seed=9)
+    with caplog.at_level(logging.WARNING, logger="mergekit_bmm"):
+        merged = bmm(tensors, cache=str(blocker / "cache"))
+    assert delta_error(merged, bmm(tensors), tensors[0]) <= 1e-5
+    assert any("could not write" in r.getMessage() for r in caplog.records)
