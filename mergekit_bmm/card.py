@@ -137,7 +137,7 @@ def record_merge(out_dir: str | Path, recipe_text: str, view: RecipeView | None 
 
 
 class SearchSummary(BaseModel):
-    """``summary.json`` of ``mergekit-bmm-search`` (contract B); unknown fields are kept."""
+    """``summary.json`` of ``mergekit-bmm-search``; unknown fields are kept."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -593,9 +593,9 @@ def _copy_plot(source_dir: Path, reference: str | None, target_dir: Path) -> str
 
 
 def write_search_card(best_dir: Path, search_out: Path) -> Path:
-    """Write ``best_dir/README.md`` for the best model of a search (contract C).
+    """Write ``best_dir/README.md`` for the best model of a search.
 
-    Reads ``search_out/summary.json`` (contract B); the recipe is ``best_dir``'s
+    Reads ``search_out/summary.json``; the recipe is ``best_dir``'s
     ``mergekit_config.yml`` (written by the merge), else the search's ``best.yml``, which
     is then copied in so the folder is self-contained. Plots are copied into ``best_dir``.
     The merge record is (re)written for the weights as they are now, so call it right

@@ -203,7 +203,7 @@ def publish_folder(
     base_model_ids: Mapping[str, str] | None = None,
     commit_message: str | None = None,
 ) -> list[str]:
-    """Check ``folder`` and upload it to ``repo_id`` (contract C); return the paths sent.
+    """Check ``folder`` and upload it to ``repo_id``; return the paths sent.
 
     With ``dry_run`` nothing is written or sent: the checks run and the list of paths
     that would be uploaded is returned. ``base_model_ids`` maps a local folder listed in

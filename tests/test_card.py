@@ -251,7 +251,7 @@ def test_failure_to_build_the_card_falls_back_to_a_minimal_valid_card(
 
 
 def make_search_out(family, root: Path, anchor: bool = True) -> Path:
-    """A search output folder as contract B describes it (summary.json, best.yml, plot)."""
+    """A search output folder as mergekit-bmm-search writes it (summary.json, best.yml, plot)."""
     import matplotlib
 
     matplotlib.use("Agg")

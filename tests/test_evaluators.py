@@ -1,4 +1,4 @@
-"""The evaluators: classification heads (contract A), lm-eval with a local task, Python callables."""
+"""The evaluators: classification heads, lm-eval with a local task, Python callables."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def build_summary(
         "lambda_plot": present(out.lambdas_png),
         "best_recipe": present(out.best_yml),
         "best_model": present(out.best_dir) if best_model_current else None,
-        # additions to the contract
+        # fields beyond the ones the model card reads
         "status": status,
         "dimensions": space.names,
         "lambda_range": list(config.lambda_range),
