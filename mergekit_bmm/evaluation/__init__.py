@@ -1,0 +1,1 @@
+"""Scoring merged models: classification heads over an encoder's pooled features."""
