@@ -136,6 +136,24 @@ def test_pipeline_builds_heads_experts_scores_and_resumes(tiny_run):
     assert {p: p.stat().st_mtime_ns for p in (root / "cache").rglob("done.json")} == stamps
     assert json.loads((root / "results" / "smoke" / "results.json").read_text())["rows"] == results["rows"]
 
+    # Any encoder folder (here an expert) is scored with the run's heads; cached scores agree.
+    from click.testing import CliRunner
+
+    from bench.merging.__main__ import main
+
+    args = [
+        "score",
+        str(config),
+        manifest["experts"]["mood"],
+        "--cache-dir",
+        str(root / "cache"),
+        "--task",
+        "mood",
+    ]
+    scored = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert scored.exit_code == 0, scored.output
+    assert f"mood {100 * results['indiv_validation']['mood']:.1f}" in scored.output
+
 
 def test_experts_are_deterministic(tiny_run, tmp_path):
     """A second cache gets bit-identical expert weights (seeded order, dropout, threads)."""

@@ -58,5 +58,43 @@ def run(config: Path, cache_dir: Path, results_dir: Path, until: str) -> None:
         sys.exit(ours.exit_code)
 
 
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option(
+    "--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=REPO / "bench" / ".cache"
+)
+@click.option("--split", "splits", multiple=True, default=["validation"], show_default=True)
+@click.option("--task", "tasks", multiple=True, help="Score only these tasks (default: all).")
+def score(
+    config: Path, model: Path, cache_dir: Path, splits: tuple[str, ...], tasks: tuple[str, ...]
+) -> None:
+    """Score an encoder folder (e.g. a merge) with a finished run's heads."""
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(variable, "1")
+    from bench.merging.cache import read_json
+    from bench.merging.config import load_config
+    from bench.merging.pipeline import score_folder
+    from mergekit_bmm.errors import ConfigError
+
+    try:
+        name = load_config(config).name
+        manifest_path = Path(cache_dir) / "runs" / name / "manifest.json"
+        if not manifest_path.is_file():
+            raise ConfigError(
+                f"no finished run {name!r} in {cache_dir}; run `python -m bench.merging run` first"
+            )
+        scores = score_folder(
+            read_json(manifest_path), model.resolve(), list(splits), list(tasks) or None, cache_dir
+        )
+    except BMMError as error:
+        click.echo(one_line(error), err=True)
+        sys.exit(error.exit_code)
+    for split in splits:
+        values = {task: value for (task, s), value in scores.items() if s == split}
+        cells = "  ".join(f"{task} {100 * value:.1f}" for task, value in values.items())
+        click.echo(f"{split:10s} avg {100 * sum(values.values()) / len(values):.1f}  {cells}")
+
+
 if __name__ == "__main__":
     main()

@@ -29,6 +29,7 @@ from bench.merging.heads import build_head
 from bench.merging.merging import recipe_key, run_mergekit, task_arithmetic_recipe
 from bench.merging.scoring import ScoredTask, mean, score_model
 from bench.merging.tasks import build_task_data
+from mergekit_bmm.errors import ConfigError
 
 STAGES = ("data", "heads", "experts", "scores", "task_arithmetic", "language")
 
@@ -255,6 +256,49 @@ def _merge_and_score(recipe, jobs, config: RunConfig, cache: ScoreCache, cache_d
     return {"scores": scores, "merge_seconds": merge_seconds, "key": key}
 
 
+def tasks_from_manifest(manifest: dict[str, Any]) -> dict[str, ScoredTask]:
+    """The run's tasks with their heads, as recorded by :func:`write_manifest`."""
+    from bench.merging.tasks import TaskData
+
+    return {
+        name: ScoredTask(
+            data=TaskData(
+                name=name,
+                data=Path(manifest["data"][name]),
+                labels=tuple(manifest["labels"][name]),
+                counts=manifest["counts"][name],
+                sha256=manifest["data_fingerprints"][name],
+            ),
+            head=Path(manifest["heads"][name]),
+            head_sha=manifest["head_fingerprints"][name],
+        )
+        for name in manifest["heads"]
+    }
+
+
+def score_folder(
+    manifest: dict[str, Any], model_dir: Path, splits: list[str], tasks: list[str] | None, cache_dir: Path
+) -> dict[tuple[str, str], float]:
+    """Scores of any encoder folder (a merge, an expert) with the run's fixed heads (cached)."""
+    from mergekit_bmm.fingerprint import model_fingerprint
+
+    known = tasks_from_manifest(manifest)
+    unknown = sorted(set(tasks or []) - set(known))
+    if unknown:
+        raise ConfigError(f"tasks {unknown} are not in run {manifest['name']}; known: {sorted(known)}")
+    chosen = [known[name] for name in (tasks or list(known))]
+    jobs = [(task, split) for task in chosen for split in splits]
+    return score_model(
+        model_fingerprint(model_dir),
+        lambda: load_encoder(model_dir),
+        jobs,
+        manifest["max_length"],
+        manifest["eval_batch_size"],
+        ScoreCache(cache_dir),
+        model_dir.name,
+    )
+
+
 def evaluator_block(config: RunConfig, art: Artifacts, split: str = "validation") -> dict[str, Any]:
     """Contract A's ``evaluator:`` block for a search over this run's tasks."""
     return {
@@ -287,7 +331,9 @@ def write_manifest(config: RunConfig, cache_dir: Path, art: Artifacts) -> Path:
         "base_fingerprint": art.encoder_fingerprint,
         "experts": {name: str(path) for name, path in art.experts.items()},
         "heads": {name: str(task.head) for name, task in art.tasks.items() if task.head_sha},
+        "head_fingerprints": {name: task.head_sha for name, task in art.tasks.items() if task.head_sha},
         "data": {name: str(task.data.data) for name, task in art.tasks.items()},
+        "data_fingerprints": {name: task.data.sha256 for name, task in art.tasks.items()},
         "labels": {name: list(task.data.labels) for name, task in art.tasks.items()},
         "counts": {name: task.data.counts for name, task in art.tasks.items()},
         "max_length": config.max_length,
