@@ -123,7 +123,9 @@ def test_pipeline_builds_heads_experts_scores_and_resumes(tiny_run):
         expert = Path(manifest["experts"][task])
         assert (expert / "model.safetensors").is_file() and (expert / "tokenizer.json").is_file()
         lines = [json.loads(x) for x in Path(manifest["data"][task]).read_text().splitlines()]
-        assert {x["split"] for x in lines} == {"train", "validation", "test"}
+        assert {x["split"] for x in lines} == {"train", "head", "validation", "test"}
+        head_texts = {x["text"] for x in lines if x["split"] == "head"}
+        assert head_texts and not head_texts & {x["text"] for x in lines if x["split"] == "train"}
     evaluator = yaml.safe_load((root / "cache" / "runs" / "smoke" / "evaluator-validation.yml").read_text())
     assert evaluator["evaluator"]["type"] == "classification"
 

@@ -29,6 +29,7 @@ class TaskSpec(_Strict):
     jsonl: Path | None = Field(default=None, description="local JSONL with text, label and optional split")
     labels: list[str] | None = Field(default=None, description="class names for integer labels of `jsonl`")
     train: int = Field(default=4000, ge=2, description="at most this many training examples")
+    head: int = Field(default=2000, ge=2, description="examples the head is fitted on (not in `train`)")
     validation: int = Field(default=500, ge=1)
     test: int = Field(default=1000, ge=1)
     test_fraction: float = Field(

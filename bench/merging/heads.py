@@ -1,5 +1,9 @@
 """Per-task logistic-regression heads on the *pretrained* encoder's pooled features.
 
+The head is fitted on the task's ``head`` split, which is disjoint from the examples the
+expert is later fine-tuned on: a head fitted to the fine-tuning examples themselves would
+already classify most of them right and leave the expert little to learn.
+
 This is the benchmark's "Pretrained" baseline (like CLIP's zero-shot heads in the paper's
 vision track), and the head every expert is fine-tuned under, frozen, and every merged
 encoder is scored with. The regularisation ``C`` is chosen on the validation split.
@@ -18,7 +22,7 @@ import torch
 
 from bench.merging.cache import Stage, stable_key
 from bench.merging.config import HeadSpec
-from bench.merging.tasks import TaskData
+from bench.merging.tasks import HEAD_SPLIT, TaskData
 from mergekit_bmm.evaluation.classification import load_head, pooled_features, save_head
 
 HEAD_FILE = "head.safetensors"
@@ -113,25 +117,16 @@ def build_head(
         model, tokenizer = encoder_loader()
         features = {}
         labels = {}
-        for split in ("train", "validation"):
+        for split in (HEAD_SPLIT, "validation"):
             texts, ys = task.examples(split)
-            features[split] = (
-                pooled_features(
-                    model,
-                    tokenizer,
-                    texts,
-                    max_length,
-                    batch_size,
-                    spec.pooling,
-                    progress=f"{task.name} {split}",
-                )
-                .numpy()
-                .astype(np.float64)
+            pooled = pooled_features(
+                model, tokenizer, texts, max_length, batch_size, spec.pooling, progress=f"{task.name} {split}"
             )
+            features[split] = pooled.numpy().astype(np.float64)
             labels[split] = np.asarray(ys)
         weight, bias, info = fit_logistic_head(
-            features["train"],
-            labels["train"],
+            features[HEAD_SPLIT],
+            labels[HEAD_SPLIT],
             features["validation"],
             labels["validation"],
             len(task.labels),
@@ -142,9 +137,13 @@ def build_head(
         )
         # The stored float32 head must reproduce the fitted classifier on validation.
         head = load_head(path)
-        stored = head.logits(torch.from_numpy(features["validation"]).float()).argmax(-1).numpy()
-        info["stored_head_validation_accuracy"] = round(float((stored == labels["validation"]).mean()), 4)
-        info["train_examples"] = int(len(labels["train"]))
+        for split, key in (
+            (HEAD_SPLIT, "head_split_accuracy"),
+            ("validation", "stored_head_validation_accuracy"),
+        ):
+            predicted = head.logits(torch.from_numpy(features[split]).float()).argmax(-1).numpy()
+            info[key] = round(float((predicted == labels[split]).mean()), 4)
+        info["train_examples"] = int(len(labels[HEAD_SPLIT]))
         return info
 
     record, cached = stage.get(produce)

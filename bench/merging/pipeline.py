@@ -120,7 +120,7 @@ def run_benchmark(
 
 
 def _counts(counts: dict[str, int]) -> str:
-    return "/".join(str(counts[split]) for split in ("train", "validation", "test"))
+    return "/".join(f"{split} {counts[split]}" for split in counts)
 
 
 def _heads(config: RunConfig, cache_dir: Path, art: Artifacts, encoder: EncoderHandle) -> None:

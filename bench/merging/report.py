@@ -160,11 +160,18 @@ def data_table(results: dict[str, Any]) -> str:
         counts = results["data"][task]["counts"]
         head = results["heads"].get(task, {})
         expert = results["experts"].get(task, {})
-        lines.append(
-            f"| {task} | {results['data'][task]['classes']} | {counts['train']} | {counts['validation']} | "
-            f"{counts['test']} | {head.get('C', '–')} | {expert.get('steps', '–')} | "
-            f"{expert.get('train_seconds', '–')} |"
-        )
+        cells = [
+            task,
+            results["data"][task]["classes"],
+            counts["train"],
+            counts.get("head", "–"),
+            counts["validation"],
+            counts["test"],
+            head.get("C", "–"),
+            expert.get("steps", "–"),
+            expert.get("train_seconds", "–"),
+        ]
+        lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(lines)
 
 

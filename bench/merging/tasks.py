@@ -25,7 +25,8 @@ from bench.merging.config import LanguageTaskSpec, TaskSpec
 from mergekit_bmm.errors import ConfigError
 
 SPLITS = ("train", "validation", "test")
-FORMAT_VERSION = 1
+HEAD_SPLIT = "head"  # examples the head is fitted on, disjoint from the experts' training examples
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def read_local_jsonl(spec: TaskSpec | LanguageTaskSpec) -> corpora.Corpus:
             split = record.get("split", "all")
             if not isinstance(text, str) or label is None or isinstance(label, bool):
                 raise ConfigError(f"task {spec.name}: {path} line {number} needs `text` (str) and `label`")
-            if split not in (*SPLITS, "all"):
+            if split not in (*SPLITS, HEAD_SPLIT, "all"):
                 raise ConfigError(
                     f"task {spec.name}: {path} line {number} has split {split!r}; "
                     "use train, validation or test"
@@ -96,8 +97,15 @@ def read_local_jsonl(spec: TaskSpec | LanguageTaskSpec) -> corpora.Corpus:
     return corpora.Corpus(spec.name, splits, [path], f"local JSONL {path}")
 
 
-def split_corpus(corpus: corpora.Corpus, spec: TaskSpec, seed: int) -> dict[str, list[tuple[str, str]]]:
-    """Official or carved splits, each subsampled to its budget (deterministic)."""
+def split_corpus(
+    corpus: corpora.Corpus, spec: TaskSpec | LanguageTaskSpec, seed: int
+) -> dict[str, list[tuple[str, str]]]:
+    """Official or carved splits, each subsampled to its budget (deterministic).
+
+    With a ``head`` budget, the head's examples are carved out of the training pool too,
+    so the experts fine-tune on examples their frozen head has never been fitted to.
+    """
+    head_budget = getattr(spec, "head", 0)
     parts = dict(corpus.splits)
     if "test" not in parts:
         pool = _shuffled(
@@ -109,14 +117,23 @@ def split_corpus(corpus: corpora.Corpus, spec: TaskSpec, seed: int) -> dict[str,
         pool = _shuffled(parts.get("train", []), task_generator(seed, spec.name, "validation"))
         n_validation = min(spec.validation, len(pool) // 5)
         parts["validation"], parts["train"] = pool[:n_validation], pool[n_validation:]
-    budgets = {"train": spec.train, "validation": spec.validation, "test": spec.test}
+    if head_budget and HEAD_SPLIT not in parts:
+        pool = _shuffled(parts.get("train", []), task_generator(seed, spec.name, HEAD_SPLIT))
+        n_head = min(head_budget, len(pool) // 2)
+        parts[HEAD_SPLIT], parts["train"] = pool[:n_head], pool[n_head:]
+    budgets = {"train": spec.train, HEAD_SPLIT: head_budget, "validation": spec.validation, "test": spec.test}
     out = {}
-    for split in SPLITS:
+    for split in data_splits(spec):
         pool = _shuffled(parts.get(split, []), task_generator(seed, spec.name, f"subsample-{split}"))
         out[split] = pool[: budgets[split]]
         if not out[split]:
             raise ConfigError(f"task {spec.name}: the {split} split is empty; give the task more examples")
     return out
+
+
+def data_splits(spec: TaskSpec | LanguageTaskSpec) -> tuple[str, ...]:
+    """The splits a task's data file holds, in file order."""
+    return ("train", HEAD_SPLIT, "validation", "test") if getattr(spec, "head", 0) else SPLITS
 
 
 def label_order(corpus: corpora.Corpus, spec: TaskSpec) -> tuple[list[str], list[str]]:
@@ -153,13 +170,13 @@ def build_task_data(spec: TaskSpec, cache_dir: Path, seed: int) -> tuple[TaskDat
         index = {key: i for i, key in enumerate(keys)}
         splits = split_corpus(corpus, spec, seed)
         with open(folder / "data.jsonl", "w", encoding="utf-8") as handle:
-            for split in SPLITS:
+            for split in data_splits(spec):
                 for text, label in splits[split]:
                     line = {"text": text, "label": index[label], "split": split}
                     handle.write(json.dumps(line, ensure_ascii=False) + "\n")
-        counts = {split: len(splits[split]) for split in SPLITS}
+        counts = {split: len(splits[split]) for split in data_splits(spec)}
         majority = {}
-        for split in SPLITS:
+        for split in data_splits(spec):
             labels = [index[label] for _, label in splits[split]]
             majority[split] = round(float(max(np.bincount(labels))) / len(labels), 4)
         (folder / "labels.json").write_text(
