@@ -152,10 +152,8 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def data_table(results: dict[str, Any]) -> str:
-    lines = [
-        "| task | classes | train | validation | test | head C | expert steps | expert s |",
-        "|" + "---|" * 8,
-    ]
+    header = ["task", "classes", "train", "head", "validation", "test", "head C", "expert steps", "expert s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for task in results["tasks"]:
         counts = results["data"][task]["counts"]
         head = results["heads"].get(task, {})
