@@ -67,7 +67,7 @@ class EncoderSpec(_Strict):
 class HeadSpec(_Strict):
     """Logistic-regression heads on pretrained pooled features; C chosen on validation."""
 
-    c_grid: list[float] = Field(default=[0.1, 1.0, 10.0], min_length=1)
+    c_grid: list[float] = Field(default=[0.01, 0.03, 0.1, 0.3, 1.0, 3.0], min_length=1)
     max_iter: int = Field(default=3000, ge=10)
     pooling: Literal["mean", "cls"] = "mean"
 

@@ -20,12 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.merging.cache import Stage, stable_key
+from bench.merging.cache import Stage, files_fingerprint, stable_key
 from bench.merging.config import HeadSpec
 from bench.merging.tasks import HEAD_SPLIT, TaskData
 from mergekit_bmm.evaluation.classification import load_head, pooled_features, save_head
 
 HEAD_FILE = "head.safetensors"
+FEATURES_FILE = "features.safetensors"
 UNSEEN_CLASS_BIAS = -30.0  # classes absent from the training split are never predicted
 
 
@@ -94,6 +95,43 @@ def fit_logistic_head(
     return weight, bias, info
 
 
+def pretrained_features(
+    task: TaskData,
+    split: str,
+    encoder_fingerprint: str,
+    pooling: str,
+    max_length: int,
+    batch_size: int,
+    cache_dir: Path,
+    encoder_loader,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pooled pretrained features and labels of one split, cached: refitting a head (another
+    C grid) costs no encoder passes."""
+    from safetensors.torch import load_file, save_file
+
+    payload = {
+        "task_data": task.sha256,
+        "split": split,
+        "encoder": encoder_fingerprint,
+        "pooling": pooling,
+        "max_length": max_length,
+    }
+    stage = Stage(cache_dir, "features", f"{task.name}-{split}", payload, files_fingerprint(FEATURES_FILE))
+
+    def produce(folder: Path) -> dict[str, Any]:
+        model, tokenizer = encoder_loader()
+        texts, labels = task.examples(split)
+        pooled = pooled_features(
+            model, tokenizer, texts, max_length, batch_size, pooling, progress=f"{task.name} {split}"
+        )
+        save_file({"features": pooled, "labels": torch.tensor(labels)}, str(folder / FEATURES_FILE))
+        return {"examples": len(labels)}
+
+    stage.get(produce)
+    tensors = load_file(str(stage.path / FEATURES_FILE))
+    return tensors["features"].numpy().astype(np.float64), tensors["labels"].numpy()
+
+
 def build_head(
     task: TaskData,
     encoder_dir: Path,
@@ -114,16 +152,18 @@ def build_head(
     stage = Stage(cache_dir, "heads", task.name, payload, head_fingerprint)
 
     def produce(folder: Path) -> dict[str, Any]:
-        model, tokenizer = encoder_loader()
-        features = {}
-        labels = {}
+        features, labels = {}, {}
         for split in (HEAD_SPLIT, "validation"):
-            texts, ys = task.examples(split)
-            pooled = pooled_features(
-                model, tokenizer, texts, max_length, batch_size, spec.pooling, progress=f"{task.name} {split}"
+            features[split], labels[split] = pretrained_features(
+                task,
+                split,
+                encoder_fingerprint,
+                spec.pooling,
+                max_length,
+                batch_size,
+                cache_dir,
+                encoder_loader,
             )
-            features[split] = pooled.numpy().astype(np.float64)
-            labels[split] = np.asarray(ys)
         weight, bias, info = fit_logistic_head(
             features[HEAD_SPLIT],
             labels[HEAD_SPLIT],
