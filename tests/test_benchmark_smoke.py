@@ -178,6 +178,53 @@ def test_experts_are_deterministic(tiny_run, tmp_path):
     assert all(bool((ours[k] == theirs[k]).all()) for k in ours)
 
 
+def test_interrupted_expert_resumes_to_identical_weights(tiny_run, tmp_path, monkeypatch):
+    """Stop fine-tuning after 3 of 6 steps (checkpoint every 2), resume: same weights as uninterrupted."""
+    import shutil
+
+    from conftest import load_weights
+
+    import bench.merging.finetune as finetune
+    from bench.merging.config import load_config
+    from bench.merging.pipeline import run_benchmark
+
+    root, config_path = tiny_run
+    config = load_config(config_path)
+    config.tasks = config.tasks[:1]
+    cache = tmp_path / "cache"
+    shutil.copytree(root / "cache", cache)
+    reference = json.loads((root / "cache" / "runs" / "smoke" / "manifest.json").read_text())["experts"][
+        "mood"
+    ]
+    shutil.rmtree(cache / "experts" / Path(reference).name)
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_at(step):
+        if step == 2:
+            raise Interrupted
+
+    original = finetune.train_loop
+    monkeypatch.setattr(
+        finetune,
+        "train_loop",
+        lambda *a, **k: original(*a[:5], checkpoint_every=2, progress=None, on_step=stop_at),
+    )
+    with pytest.raises(Interrupted):
+        run_benchmark(config, cache, tmp_path / "results", until="experts")
+    partial = cache / "experts" / (Path(reference).name + ".partial")
+    assert (partial / "resume-state.ckpt").is_file()
+
+    monkeypatch.setattr(finetune, "train_loop", original)
+    run_benchmark(config, cache, tmp_path / "results", until="experts")
+    resumed = cache / "experts" / Path(reference).name
+    assert json.loads((resumed / "done.json").read_text())["info"]["resumed_at_step"] == 2
+    assert not (resumed / "resume-state.ckpt").exists() and not partial.exists()
+    ours, theirs = load_weights(resumed), load_weights(reference)
+    assert all(bool((ours[k] == theirs[k]).all()) for k in theirs)
+
+
 def test_modified_expert_is_rebuilt_not_trusted(tiny_run, tmp_path):
     import shutil
 

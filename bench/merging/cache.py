@@ -84,12 +84,16 @@ class Stage:
             return None
         return record
 
-    def build(self, produce: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
-        """Run ``produce(partial_dir) -> info`` and install the result; return its record."""
+    def build(self, produce: Callable[[Path], dict[str, Any]], resume: bool = False) -> dict[str, Any]:
+        """Run ``produce(partial_dir) -> info`` and install the result; return its record.
+
+        With ``resume``, a ``.partial`` folder left by an interrupted build (same key, so
+        same inputs) is kept for ``produce`` to continue from; otherwise it is discarded.
+        """
         partial = self.path.with_name(self.path.name + ".partial")
-        if partial.exists():
+        if partial.exists() and not resume:
             shutil.rmtree(partial)
-        partial.mkdir(parents=True)
+        partial.mkdir(parents=True, exist_ok=True)
         started = time.time()
         info = produce(partial)
         record = {
@@ -106,12 +110,14 @@ class Stage:
         os.replace(partial, self.path)
         return record
 
-    def get(self, produce: Callable[[Path], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+    def get(
+        self, produce: Callable[[Path], dict[str, Any]], resume: bool = False
+    ) -> tuple[dict[str, Any], bool]:
         """``(record, was_cached)``."""
         record = self.cached()
         if record is not None:
             return record, True
-        return self.build(produce), False
+        return self.build(produce, resume), False
 
 
 def files_fingerprint(*names: str) -> Callable[[Path], str]:

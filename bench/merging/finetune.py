@@ -5,15 +5,14 @@ same as the pretrained encoder's, so one fixed head per task scores the pretrain
 encoder, the expert and every merge alike — the paper's vision-track protocol.
 
 Training is deterministic: a fixed step budget, seeded data order and dropout, a fixed
-thread count and ``torch.use_deterministic_algorithms``. The expert is saved as an HF
+thread count and ``torch.use_deterministic_algorithms``; an interrupted build resumes
+from its last checkpoint (:mod:`bench.merging.training`). The expert is saved as an HF
 folder (safetensors + config + tokenizer) that mergekit reads directly.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,9 +25,8 @@ import torch.nn.functional as F
 from bench.merging.cache import Stage, model_folder_fingerprint
 from bench.merging.config import FinetuneSpec
 from bench.merging.tasks import TaskData
+from bench.merging.training import batch_order, summary, train_loop
 from mergekit_bmm.evaluation.classification import load_head, pool
-
-NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
 
 
 @contextlib.contextmanager
@@ -45,34 +43,6 @@ def deterministic(threads: int) -> Iterator[None]:
         torch.set_num_threads(previous_threads)
 
 
-def batch_order(count: int, batch_size: int, steps: int, seed: int) -> Iterator[np.ndarray]:
-    """Indices of each step's batch: seeded permutations, epoch after epoch."""
-    rng = np.random.default_rng(seed)
-    order = np.empty(0, dtype=np.int64)
-    for _ in range(steps):
-        while len(order) < batch_size:
-            order = np.concatenate([order, rng.permutation(count)])
-        yield order[:batch_size]
-        order = order[batch_size:]
-
-
-def linear_schedule(steps: int, warmup: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return max(0.0, (steps - step) / max(1, steps - warmup))
-
-    return factor
-
-
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    decay, no_decay = [], []
-    for name, parameter in model.named_parameters():
-        if parameter.requires_grad:
-            (no_decay if name.endswith(NO_DECAY) else decay).append(parameter)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def train_encoder(
     encoder_dir: Path,
     head_file: Path,
@@ -83,25 +53,22 @@ def train_encoder(
     seed: int,
     out_dir: Path,
     progress: str | None = None,
+    checkpoint_every: int = 25,
+    on_step=None,
 ) -> dict[str, Any]:
-    """Fine-tune, save to ``out_dir``; return the training record (losses, timings)."""
-    from tqdm.auto import tqdm
+    """Fine-tune (resuming from a checkpoint in ``out_dir``), save to ``out_dir``; return the record."""
     from transformers import AutoModel, AutoTokenizer
 
     head = load_head(head_file)
+    targets = torch.tensor(labels, dtype=torch.long)
     with deterministic(spec.threads):
         torch.manual_seed(seed)
         model = AutoModel.from_pretrained(str(encoder_dir), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(encoder_dir))
         model.train()
-        optimizer = torch.optim.AdamW(parameter_groups(model, spec.weight_decay), lr=spec.lr)
-        warmup = int(spec.warmup_fraction * spec.steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(spec.steps, warmup))
-        targets = torch.tensor(labels, dtype=torch.long)
-        losses, correct, seen = [], 0, 0
-        started = time.time()
-        bar = tqdm(total=spec.steps, desc=progress, disable=progress is None, leave=False)
-        for step, rows in enumerate(batch_order(len(texts), spec.batch_size, spec.steps, seed)):
+        drop_token_types = getattr(model.config, "type_vocab_size", 0) <= 0
+
+        def step_loss(rows: np.ndarray) -> tuple[torch.Tensor, int]:
             encoded = tokenizer(
                 [texts[i] for i in rows],
                 padding=True,
@@ -109,41 +76,20 @@ def train_encoder(
                 max_length=max_length,
                 return_tensors="pt",
             )
-            if getattr(model.config, "type_vocab_size", 0) <= 0:
+            if drop_token_types:
                 encoded.pop("token_type_ids", None)
             hidden = model(**encoded).last_hidden_state
             logits = head.logits(pool(hidden, encoded["attention_mask"], head.pooling))
             batch_targets = targets[torch.from_numpy(rows)]
             loss = F.cross_entropy(logits, batch_targets)
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(f"training loss became {loss.item()} at step {step}; lower the lr")
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            correct += int((logits.argmax(-1) == batch_targets).sum())
-            seen += len(rows)
-            bar.update()
-            if step % 10 == 0:
-                bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
-        bar.close()
-        seconds = time.time() - started
+            return loss, int((logits.argmax(-1) == batch_targets).sum())
+
+        batches = batch_order(len(texts), spec.batch_size, spec.steps, seed)
+        state = train_loop(model, spec, batches, step_loss, out_dir, checkpoint_every, progress, on_step)
         model.eval()
         model.save_pretrained(str(out_dir))
         tokenizer.save_pretrained(str(out_dir))
-    chunk = max(1, len(losses) // 10)
-    return {
-        "steps": spec.steps,
-        "examples_seen": seen,
-        "epochs": round(seen / len(texts), 3),
-        "train_seconds": round(seconds, 1),
-        "examples_per_second": round(seen / seconds, 2),
-        "loss_curve": [round(float(np.mean(losses[i : i + chunk])), 4) for i in range(0, len(losses), chunk)],
-        "train_accuracy_running": round(correct / seen, 4),
-        "seed": seed,
-    }
+    return summary(state, spec, len(texts), seed)
 
 
 def build_expert(
@@ -185,5 +131,5 @@ def build_expert(
         info["bytes"] = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
         return info
 
-    record, cached = stage.get(produce)
+    record, cached = stage.get(produce, resume=True)
     return stage.path, record, cached

@@ -4,13 +4,12 @@ The loss is the cross-entropy of the right answer's tokens after ``query + " "``
 very continuation lm-eval scores — so an expert learns its task's answer format and
 content, and nothing about the prompt. Tokenisation follows lm-eval's HF model (no
 special tokens; continuation = tokens of the whole string after those of the context).
-Deterministic like the encoder experts: fixed steps, seeded order, fixed threads.
+Deterministic and resumable like the encoder experts: fixed steps, seeded order, fixed
+threads, checkpoints in the stage's ``.partial`` folder.
 """
 
 from __future__ import annotations
 
-import math
-import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,9 @@ import torch
 
 from bench.merging.cache import Stage, model_folder_fingerprint
 from bench.merging.config import FinetuneSpec
-from bench.merging.finetune import batch_order, deterministic, linear_schedule, parameter_groups
+from bench.merging.finetune import deterministic
 from bench.merging.language.mc_tasks import MCTask
+from bench.merging.training import batch_order, summary, train_loop
 
 
 def encode_example(tokenizer, query: str, answer: str, max_length: int) -> tuple[list[int], int]:
@@ -52,8 +52,9 @@ def train_lm(
     seed: int,
     out_dir: Path,
     progress: str | None = None,
+    checkpoint_every: int = 20,
 ) -> dict[str, Any]:
-    from tqdm.auto import tqdm
+    """Fine-tune on the task's train split (resumable), save to ``out_dir``; return the record."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     records = task.records("train")
@@ -66,42 +67,21 @@ def train_lm(
         examples = [
             encode_example(tokenizer, r["query"], r["choices"][r["label"]], max_length) for r in records
         ]
-        optimizer = torch.optim.AdamW(parameter_groups(model, spec.weight_decay), lr=spec.lr)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, linear_schedule(spec.steps, int(spec.warmup_fraction * spec.steps))
-        )
-        losses, seen = [], 0
-        started = time.time()
-        bar = tqdm(total=spec.steps, desc=progress, disable=progress is None, leave=False)
-        for step, rows in enumerate(batch_order(len(examples), spec.batch_size, spec.steps, seed)):
+
+        def step_loss(rows: np.ndarray) -> tuple[torch.Tensor, int]:
             batch = collate([examples[i] for i in rows], pad_id)
-            loss = model(**batch).loss
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(f"training loss became {loss.item()} at step {step}; lower the lr")
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            seen += len(rows)
-            bar.update()
-            bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
-        bar.close()
-        seconds = time.time() - started
+            output = model(**batch)
+            answer = batch["labels"][:, 1:] != -100
+            predicted = output.logits[:, :-1].argmax(-1)
+            correct = ((predicted == batch["labels"][:, 1:]) | ~answer).all(dim=1)
+            return output.loss, int(correct.sum())
+
+        batches = batch_order(len(examples), spec.batch_size, spec.steps, seed)
+        state = train_loop(model, spec, batches, step_loss, out_dir, checkpoint_every, progress)
         model.eval()
         model.save_pretrained(str(out_dir))
         tokenizer.save_pretrained(str(out_dir))
-    chunk = max(1, len(losses) // 10)
-    return {
-        "steps": spec.steps,
-        "examples_seen": seen,
-        "epochs": round(seen / len(examples), 3),
-        "train_seconds": round(seconds, 1),
-        "examples_per_second": round(seen / seconds, 2),
-        "loss_curve": [round(float(np.mean(losses[i : i + chunk])), 4) for i in range(0, len(losses), chunk)],
-        "seed": seed,
-    }
+    return summary(state, spec, len(examples), seed)
 
 
 def build_lm_expert(
@@ -128,5 +108,5 @@ def build_lm_expert(
         info["bytes"] = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
         return info
 
-    record, cached = stage.get(produce)
+    record, cached = stage.get(produce, resume=True)
     return stage.path, record, cached
