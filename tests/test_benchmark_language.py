@@ -75,3 +75,20 @@ def test_answer_only_loss_masks_the_prompt():
     assert labels[0, : len(context)].eq(-100).all()
     assert labels[0, len(context) : len(ids)].tolist() == ids[len(context) :]
     assert labels[1, len(short[0]) :].eq(-100).all() and batch["attention_mask"][1].sum() == len(short[0])
+
+
+def test_language_table():
+    from bench.merging.report import language_markdown
+
+    scores = {"a": {"validation": 0.5, "test": 0.25}, "b": {"validation": 1.0, "test": 0.75}}
+    text = language_markdown(
+        {
+            "model": "lm",
+            "tasks": ["a", "b"],
+            "pretrained": scores,
+            "indiv": scores,
+            "task_arithmetic": {"weight": 0.5, "validation_sweep": {"0.5": 0.75}, "scores": scores},
+        }
+    )
+    assert "| pretrained (lm) | 50.0 / 25.0 | 100.0 / 75.0 | 50.0 |" in text
+    assert "task_arithmetic (weight 0.5)" in text and "0.5: 75.0" in text

@@ -207,6 +207,51 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
+def language_markdown(language: dict[str, Any]) -> str:
+    """The language track's table: accuracy (%) per task, validation / test."""
+    tasks = language["tasks"]
+    header = ["model", *tasks, "avg (test)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def row(name: str, scores: dict[str, dict[str, float]]) -> str:
+        cells = [f"{100 * scores[t]['validation']:.1f} / {100 * scores[t]['test']:.1f}" for t in tasks]
+        avg = sum(scores[t]["test"] for t in tasks) / len(tasks)
+        return f"| {name} | " + " | ".join(cells) + f" | {100 * avg:.1f} |"
+
+    lines.append(row(f"pretrained ({language['model']})", language["pretrained"]))
+    if "task_arithmetic" in language:
+        ta = language["task_arithmetic"]
+        lines.append(row(f"task_arithmetic (weight {ta['weight']})", ta["scores"]))
+    lines.append(row("Indiv. (each expert on its task)", language["indiv"]))
+    text = "Cells: validation / test accuracy (%), lm-eval `acc`.\n\n" + "\n".join(lines)
+    if "task_arithmetic" in language:
+        sweep = language["task_arithmetic"]["validation_sweep"]
+        text += "\n\nTask Arithmetic weight sweep (validation avg): " + ", ".join(
+            f"{w}: {100 * v:.1f}" for w, v in sweep.items()
+        )
+    return text
+
+
+def timings_markdown(results: dict[str, Any]) -> str:
+    """Sizes and wall-clock seconds of the stages (as first built; cached stages cost ~0 now)."""
+    lines = ["| what | value |", "|---|---|"]
+    for key, value in results.get("sizes", {}).items():
+        lines.append(f"| {key} | {value / 1e6:.1f} MB |")
+    for key, value in results.get("timings", {}).items():
+        lines.append(f"| {key} | {value} s |")
+    for task, expert in results.get("experts", {}).items():
+        lines.append(
+            f"| expert {task} | {expert['train_seconds']} s, {expert['examples_per_second']} examples/s |"
+        )
+    language = results.get("language")
+    if language:
+        for key, value in language.get("timings", {}).items():
+            lines.append(f"| language {key} | {value} s |")
+        for task, expert in language.get("experts", {}).items():
+            lines.append(f"| language expert {task} | {expert['train_seconds']} s |")
+    return "\n".join(lines)
+
+
 def write(results: dict[str, Any], folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     results["dynamic_range"] = dynamic_range(results)
@@ -216,4 +261,12 @@ def write(results: dict[str, Any], folder: Path) -> None:
     text += ["## Data and experts", "", data_table(results), ""]
     if picture:
         text += ["![per-task test accuracy](per_task.png)", ""]
+    if results.get("language"):
+        text += [
+            f"## Language track: {results['language']['model']}",
+            "",
+            language_markdown(results["language"]),
+            "",
+        ]
+    text += ["## Sizes and timings", "", timings_markdown(results), ""]
     (folder / "results.md").write_text("\n".join(text), encoding="utf-8")
