@@ -6,7 +6,9 @@ and calls ``register``. This module is imported at interpreter start-up by the
 ``mergekit-yaml`` (and any other program) sees ``merge_method: bmm`` without an extra
 flag. It stays cheap: it imports nothing heavy, and only installs a one-shot import
 hook that runs ``import mergekit_bmm`` right after ``mergekit.merge_methods`` has
-finished executing. Set ``MERGEKIT_BMM_NO_AUTOLOAD=1`` to switch it off.
+finished executing, and installs the model-card hook (``mergekit_bmm.card_hook``) right
+after ``mergekit.merge`` has (the registration happens while ``mergekit.merge`` is still
+importing, too early to patch it). Set ``MERGEKIT_BMM_NO_AUTOLOAD=1`` to switch it off.
 
 It also re-applies the plugin's compatibility patches (``mergekit_bmm.compat``) once
 ``mergekit.plan`` has finished executing: when a program imports ``mergekit.plan`` first,
@@ -21,6 +23,7 @@ import os
 import sys
 
 _TRIGGER = "mergekit.merge_methods"
+_CARD_TRIGGER = "mergekit.merge"
 _PLAN = "mergekit.plan"
 
 
@@ -48,6 +51,10 @@ class _LoaderWrapper(importlib.abc.Loader):
             from mergekit_bmm.errors import install_excepthook
 
             install_excepthook()
+            if module.__name__ == _CARD_TRIGGER:
+                from mergekit_bmm import card_hook
+
+                card_hook.install(module)
         except Exception as error:  # never break mergekit because of the plugin
             print(f"mergekit-bmm: could not register its merge methods: {error}", file=sys.stderr)
 
@@ -56,11 +63,11 @@ class _LoaderWrapper(importlib.abc.Loader):
 
 
 class _RegistryFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the loaders of ``mergekit.merge_methods`` and
-    ``mergekit.plan`` once each."""
+    """Finds nothing itself; wraps the loaders of ``mergekit.merge_methods``, ``mergekit.merge``
+    and ``mergekit.plan`` once each."""
 
     def __init__(self) -> None:
-        self._pending = {_TRIGGER, _PLAN}
+        self._pending = {_TRIGGER, _CARD_TRIGGER, _PLAN}
 
     def find_spec(self, fullname, path, target=None):
         if fullname not in self._pending:

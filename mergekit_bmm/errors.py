@@ -30,6 +30,10 @@ class StatisticsError(BMMError, ValueError):
     """Activation statistics are missing, stale or incompatible."""
 
 
+class PublishError(BMMError):
+    """A folder cannot be published as it is (no card, changed weights, Hub refusal, ...)."""
+
+
 def one_line(error: BaseException) -> str:
     """The user-facing line for an error: messages are flattened to one line."""
     text = " ".join(str(error).split())

@@ -111,6 +111,19 @@ def layer_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def layer_local_name(name: str) -> str | None:
+    """The name from the layer stack on (``layers.3.mlp.up_proj.weight``); None outside layers.
+
+    Checkpoints of one architecture may prefix the stack differently (``bert.``,
+    ``transformer.``, ``model.``); this part is what they share.
+    """
+    match = _LAYER.search(name)
+    if match is None:
+        return None
+    start = match.start() + (1 if name[match.start()] == "." else 0)
+    return name[start:]
+
+
 def matching_rule(name: str) -> GroupRule | None:
     """The first rule whose pattern occurs in ``name`` (mergekit's filter semantics)."""
     return next((rule for rule in RULES if rule.pattern in name), None)

@@ -12,8 +12,13 @@ from mergekit.merge_methods.base import MergeMethod
 
 def plugin_methods() -> tuple[MergeMethod, ...]:
     from mergekit_bmm.methods.bmm import BMMMerge
+    from mergekit_bmm.methods.iso_c import IsoCMerge
+    from mergekit_bmm.methods.iso_cts import IsoCTSMerge
+    from mergekit_bmm.methods.regmean import RegMeanMerge
+    from mergekit_bmm.methods.tsv import TSVMerge
+    from mergekit_bmm.methods.wudi import WUDIMerge
 
-    return (BMMMerge(),)
+    return (BMMMerge(), TSVMerge(), IsoCMerge(), IsoCTSMerge(), WUDIMerge(), RegMeanMerge())
 
 
 def register_all() -> tuple[str, ...]:

@@ -158,6 +158,7 @@ def test_wrapper_command_works_without_the_startup_hook(tiny_llama, tmp_path):
     assert stock.returncode != 0 and "Unimplemented merge method bmm" in stock.stderr
     wrapped = run("mergekit-bmm-yaml", path, tmp_path / "wrapped", "--no-copy-tokenizer", env_extra=off)
     assert wrapped.returncode == 0, wrapped.stderr[-2000:]
+    assert "bmm" in yaml.safe_load((tmp_path / "wrapped" / "README.md").read_text().split("---")[1])["tags"]
     expected = expected_weights(tiny_llama, (0.3,) * 3, lambda n: 0.05, lambda n: 1.0, "llama")
     assert_matches(tmp_path / "wrapped", expected, 1e-5)
 

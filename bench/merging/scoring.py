@@ -32,7 +32,7 @@ class ScoredTask:
 
     def evaluator_task(self, split: str, limit: int | None = None) -> ClassificationTask:
         return ClassificationTask(
-            name=self.name, head=self.head, data=self.data.data, split=split, limit=limit
+            name=self.name, head=str(self.head), data=str(self.data.data), split=split, limit=limit
         )
 
 

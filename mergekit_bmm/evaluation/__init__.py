@@ -1,1 +1,37 @@
-"""Scoring merged models: classification heads over an encoder's pooled features."""
+"""Evaluators: turn a merged model folder into per-task scores for the search.
+
+``python`` (a function of yours), ``lm_eval`` (lm-evaluation-harness tasks, local ones
+included) and ``classification`` (fixed heads on an encoder, accuracy).
+"""
+
+from __future__ import annotations
+
+from mergekit_bmm.evaluation.base import Evaluator, resolve_device
+from mergekit_bmm.evaluation.config import (
+    ClassificationEvaluatorConfig,
+    EvaluatorConfig,
+    LMEvalEvaluatorConfig,
+    PythonEvaluatorConfig,
+    weighted_mean,
+)
+
+
+def make_evaluator(config: EvaluatorConfig, device: str = "cpu") -> Evaluator:
+    """The evaluator for a validated ``evaluator:`` section (checked on construction)."""
+    device = resolve_device(device)
+    if isinstance(config, PythonEvaluatorConfig):
+        from mergekit_bmm.evaluation.python_callable import PythonEvaluator
+
+        return PythonEvaluator(config, device)
+    if isinstance(config, LMEvalEvaluatorConfig):
+        from mergekit_bmm.evaluation.lm_harness import LMEvalEvaluator
+
+        return LMEvalEvaluator(config, device)
+    if isinstance(config, ClassificationEvaluatorConfig):
+        from mergekit_bmm.evaluation.classification import ClassificationEvaluator
+
+        return ClassificationEvaluator(config, device)
+    raise TypeError(f"unknown evaluator config {type(config).__name__}")
+
+
+__all__ = ["Evaluator", "make_evaluator", "resolve_device", "weighted_mean"]

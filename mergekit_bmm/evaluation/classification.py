@@ -1,53 +1,57 @@
-"""Classification tasks scored through fixed linear heads on an encoder's pooled features.
+"""``type: classification``: accuracy of fixed linear heads on the merged encoder.
 
-The paper's vision track scores every merged encoder with the same per-task heads; this
-module is the one place that does so, so the search, the benchmark and the calibration
-tools score exactly alike. File formats (shared contract):
+A *head* is a safetensors file with ``weight`` ``[classes, hidden]`` and ``bias``
+``[classes]`` (float32) and metadata ``pooling`` (``mean`` over non-padding tokens, the
+default, or ``cls``: the first token) and ``labels`` (a JSON list of class names).
+A *task data file* is JSONL with a text and an integer label per line, and optionally a
+``split``. Logits are ``pooled @ weight.T + bias`` on the encoder's last hidden state.
 
-- a **head** is a safetensors file with ``weight`` (float32 ``[classes, hidden]``) and
-  ``bias`` (float32 ``[classes]``) and metadata ``pooling`` (``mean`` | ``cls``) and
-  ``labels`` (a JSON list of class names); logits = ``pooled @ weight.T + bias``;
-- a **task data file** is JSONL with ``text`` (str) and ``label`` (int index into the
-  head's labels) per line, and optionally ``split`` (train / validation / test).
+:func:`task_logits` is the one scoring routine: the search, the benchmark and the
+ensembles all call it, so they score exactly the same way.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.errors import ConfigError, TensorInputError
+from mergekit_bmm.evaluation.base import load_model, load_tokenizer, release_memory
+from mergekit_bmm.evaluation.config import ClassificationEvaluatorConfig, ClassificationTask
+
+__all__ = [
+    "ClassificationEvaluator",
+    "ClassificationTask",
+    "Head",
+    "accuracy",
+    "load_examples",
+    "load_head",
+    "pool",
+    "pooled_features",
+    "save_head",
+    "task_logits",
+]
 
 POOLINGS = ("mean", "cls")
 
-
-class ClassificationTask(BaseModel):
-    """One task of a classification evaluator (``evaluator.tasks[]`` in a search config)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    head: Path
-    data: Path
-    split: str | None = Field(default=None, description="use only lines whose `split` is this; None = all")
-    limit: int | None = Field(default=None, ge=1, description="first N examples of the split")
-    text_field: str = "text"
-    label_field: str = "label"
+SUBSET_SEED = 0
 
 
 @dataclass(frozen=True)
 class Head:
-    """A fixed linear classifier over pooled encoder features."""
+    """A fixed linear classifier over pooled encoder states."""
 
     weight: torch.Tensor  # [classes, hidden], float32
     bias: torch.Tensor  # [classes], float32
-    pooling: Literal["mean", "cls"]
+    pooling: str
     labels: tuple[str, ...]
 
     @property
@@ -59,6 +63,7 @@ class Head:
         return self.weight.shape[1]
 
     def logits(self, pooled: torch.Tensor) -> torch.Tensor:
+        """``pooled @ weight.T + bias`` in float32."""
         return pooled.float() @ self.weight.T + self.bias
 
 
@@ -90,91 +95,138 @@ def save_head(
     return path
 
 
-def load_head(path: str | Path) -> Head:
-    """Read and check a head file; a malformed one raises a one-line ``ConfigError``."""
+def _stamp(path: str) -> int:
+    """Modification time, so a rewritten file is read again."""
+    try:
+        return Path(path).stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+def load_head(path: str) -> Head:
+    """Read and check a head file."""
+    return _load_head(str(path), _stamp(path))
+
+
+@lru_cache(maxsize=64)
+def _load_head(path: str, stamp: int) -> Head:
     from safetensors import safe_open
 
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"head file {path} does not exist; check the task's `head:` path")
     try:
-        with safe_open(str(path), framework="pt") as handle:
+        with safe_open(path, framework="pt") as handle:
             metadata = handle.metadata() or {}
-            keys = set(handle.keys())
-            if not {"weight", "bias"} <= keys:
-                raise ConfigError(
-                    f"head {path} holds {sorted(keys)}; a head needs tensors `weight` and `bias`"
-                )
-            weight = handle.get_tensor("weight").to(torch.float32)
-            bias = handle.get_tensor("bias").to(torch.float32)
-    except ConfigError:
-        raise
-    except Exception as error:
-        raise ConfigError(f"head {path} is not a readable safetensors file: {error}") from error
-    pooling = metadata.get("pooling", "mean")
-    if pooling not in POOLINGS:
-        raise ConfigError(f"head {path}: metadata pooling={pooling!r}; use one of {POOLINGS}")
-    try:
-        labels = tuple(str(x) for x in json.loads(metadata["labels"]))
-    except (KeyError, ValueError, TypeError):
-        labels = tuple(str(i) for i in range(weight.shape[0] if weight.ndim == 2 else 0))
-    if weight.ndim != 2 or bias.shape != (weight.shape[0],) or len(labels) != weight.shape[0]:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except (OSError, Exception) as error:  # safetensors raises its own error types
+        raise ConfigError(f"cannot read classification head {path}: {error}") from None
+    if "weight" not in tensors or "bias" not in tensors:
+        raise ConfigError(f"head {path} must hold tensors `weight` and `bias`; it has {sorted(tensors)}")
+    weight, bias = tensors["weight"].float(), tensors["bias"].float()
+    if weight.ndim != 2 or bias.shape != (weight.shape[0],):
         raise ConfigError(
-            f"head {path}: weight {tuple(weight.shape)}, bias {tuple(bias.shape)}, {len(labels)} labels; "
-            "expected weight [classes, hidden], bias [classes] and one label per class"
+            f"head {path}: weight must be [classes, hidden] and bias [classes]; got "
+            f"{list(weight.shape)} and {list(bias.shape)}"
         )
-    if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
-        raise ConfigError(f"head {path} contains NaN or Inf; refit it")
-    return Head(weight=weight, bias=bias, pooling=pooling, labels=labels)
+    pooling = metadata.get("pooling", "mean")
+    if pooling not in ("mean", "cls"):
+        raise ConfigError(f"head {path}: metadata pooling must be 'mean' or 'cls'; got {pooling!r}")
+    try:
+        labels = tuple(str(label) for label in json.loads(metadata.get("labels", "null")) or ())
+    except ValueError:
+        raise ConfigError(f"head {path}: metadata `labels` must be a JSON list of class names") from None
+    if labels and len(labels) != weight.shape[0]:
+        raise ConfigError(
+            f"head {path} has {weight.shape[0]} classes but {len(labels)} labels in its metadata"
+        )
+    return Head(weight, bias, pooling, labels or tuple(str(i) for i in range(weight.shape[0])))
 
 
-def load_examples(task: ClassificationTask | dict[str, Any]) -> tuple[list[str], list[int]]:
-    """Texts and integer labels of a task's split (file order; the first ``limit``)."""
+def _subset(count: int, limit: int | float | None) -> list[int]:
+    """A fixed subset of ``limit`` indices (a count, or a fraction), in file order."""
+    if limit is None:
+        return list(range(count))
+    size = math.ceil(limit * count) if isinstance(limit, float) else min(int(limit), count)
+    return sorted(random.Random(SUBSET_SEED).sample(range(count), size))
+
+
+def load_examples(
+    task: ClassificationTask | dict[str, Any], num_classes: int | None = None
+) -> tuple[list[str], torch.Tensor]:
+    """Texts and labels of a task's data file (its split; its fixed ``limit`` subset)."""
     task = ClassificationTask.model_validate(task)
-    if not task.data.is_file():
-        raise ConfigError(f"task {task.name}: data file {task.data} does not exist")
-    texts: list[str] = []
-    labels: list[int] = []
-    with open(task.data, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
+    texts, labels = _load_examples(
+        task.data, _stamp(task.data), task.split, task.limit, task.text_field, task.label_field, num_classes
+    )
+    return list(texts), labels.clone()
+
+
+@lru_cache(maxsize=64)
+def _load_examples(
+    path: str,
+    stamp: int,
+    split: str | None,
+    limit: Any,
+    text_field: str,
+    label_field: str,
+    num_classes: int | None,
+) -> tuple[list[str], torch.Tensor]:
+    texts, labels = [], []
+    splits_seen: set[str] = set()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise ConfigError(f"cannot read task data {path}: {error.strerror}") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            if "split" in item:
+                splits_seen.add(str(item["split"]))
+            if split is not None and item.get("split") != split:
                 continue
-            try:
-                record = json.loads(line)
-            except ValueError as error:
-                raise ConfigError(
-                    f"task {task.name}: {task.data} line {number} is not JSON: {error}"
-                ) from error
-            if task.split is not None and record.get("split") != task.split:
-                continue
-            text, label = record.get(task.text_field), record.get(task.label_field)
-            if not isinstance(text, str) or isinstance(label, bool) or not isinstance(label, int):
-                raise ConfigError(
-                    f"task {task.name}: {task.data} line {number} needs a string `{task.text_field}` and an "
-                    f"integer `{task.label_field}`"
-                )
-            texts.append(text)
-            labels.append(label)
-            if task.limit is not None and len(texts) >= task.limit:
-                break
+            text, label = item[text_field], item[label_field]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ConfigError(
+                f"{path} line {number}: expected a JSON object with `{text_field}` and "
+                f"`{label_field}` ({error})"
+            ) from None
+        if isinstance(label, bool) or not isinstance(label, int):
+            raise ConfigError(
+                f"{path} line {number}: `{label_field}` must be a class index (int); got {label!r}"
+            )
+        if num_classes is not None and not 0 <= label < num_classes:
+            raise ConfigError(
+                f"{path} line {number}: label {label} is outside the head's {num_classes} classes"
+            )
+        texts.append(str(text))
+        labels.append(label)
     if not texts:
-        where = f" with split={task.split!r}" if task.split is not None else ""
-        raise ConfigError(f"task {task.name}: no examples{where} in {task.data}")
-    return texts, labels
+        where = f" with split {split!r} (splits present: {sorted(splits_seen) or 'none'})" if split else ""
+        raise ConfigError(f"task data {path} has no examples{where}")
+    keep = _subset(len(texts), limit)
+    return [texts[i] for i in keep], torch.tensor([labels[i] for i in keep], dtype=torch.long)
 
 
-def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
+def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
     """Mean over non-padding tokens, or the first token (``cls``), in float32."""
     hidden = hidden.float()
     if pooling == "cls":
         return hidden[:, 0]
-    mask = attention_mask.to(hidden.dtype).unsqueeze(-1)
-    return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+    weights = mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
 
 
-@torch.no_grad()
+def _last_hidden_state(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    outputs = model(**batch)
+    hidden = getattr(outputs, "last_hidden_state", None)
+    if hidden is None:  # models with a head: ask for the hidden states instead
+        hidden = model(**batch, output_hidden_states=True).hidden_states[-1]
+    return hidden
+
+
+@torch.inference_mode()
 def pooled_features(
-    model: torch.nn.Module,
+    model: Any,
     tokenizer: Any,
     texts: Sequence[str],
     max_length: int = 128,
@@ -182,74 +234,103 @@ def pooled_features(
     pooling: str = "mean",
     progress: str | None = None,
 ) -> torch.Tensor:
-    """``[N, hidden]`` pooled last hidden states, in the order of ``texts``.
+    """``[N, hidden]`` pooled last hidden states (float32, CPU), in the order of ``texts``.
 
-    Texts are batched by token length so that little time goes into padding; the result
-    does not depend on the batching (each row only sees its own tokens).
+    Texts are batched by token length (less padding); padding is on the right so ``cls``
+    pooling reads the first real token. Each row only sees its own tokens, so the result
+    does not depend on the batching.
     """
     from tqdm.auto import tqdm
 
-    was_training = model.training
-    model.eval()
-    lengths = [
-        len(ids) for ids in tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]
-    ]
-    order = sorted(range(len(texts)), key=lambda i: lengths[i])
+    texts = list(texts)
     device = next(model.parameters()).device
-    out: torch.Tensor | None = None
-    batches = range(0, len(order), batch_size)
-    for start in tqdm(batches, desc=progress, disable=progress is None, leave=False):
-        rows = order[start : start + batch_size]
-        encoded = tokenizer(
-            [texts[i] for i in rows],
-            padding=True,
-            truncation=True,
-            max_length=max_length,
-            return_tensors="pt",
-        ).to(device)
-        if not _accepts_token_types(model):
-            encoded.pop("token_type_ids", None)
-        hidden = model(**encoded).last_hidden_state
-        pooled = pool(hidden, encoded["attention_mask"], pooling).cpu()
-        if out is None:
-            out = torch.empty(len(texts), pooled.shape[1], dtype=torch.float32)
-        out[torch.tensor(rows)] = pooled
-    model.train(was_training)
-    assert out is not None
-    return out
-
-
-def _accepts_token_types(model: torch.nn.Module) -> bool:
-    return getattr(model.config, "type_vocab_size", 0) > 0
+    was_training = getattr(model, "training", False)
+    model.eval()
+    pad_side, pad_token = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side = "right"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    try:
+        lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]
+        order = sorted(range(len(texts)), key=lambda i: lengths[i])
+        pooled: torch.Tensor | None = None
+        starts = range(0, len(order), batch_size)
+        for start in tqdm(starts, desc=progress, disable=progress is None, leave=False):
+            chunk = order[start : start + batch_size]
+            batch = tokenizer(
+                [texts[i] for i in chunk],
+                truncation=True,
+                max_length=max_length,
+                padding=True,
+                return_tensors="pt",
+            )
+            batch = {
+                k: v.to(device)
+                for k, v in batch.items()
+                if k in ("input_ids", "attention_mask", "token_type_ids")
+            }
+            hidden = _last_hidden_state(model, batch)
+            if pooled is None:
+                pooled = torch.empty(len(texts), hidden.shape[-1])
+            pooled[chunk] = pool(hidden, batch["attention_mask"], pooling).cpu()
+    finally:
+        tokenizer.padding_side, tokenizer.pad_token = pad_side, pad_token
+        model.train(was_training)
+    assert pooled is not None
+    return pooled
 
 
 def task_logits(
-    model: torch.nn.Module,
+    model: Any,
     tokenizer: Any,
     task: ClassificationTask | dict[str, Any],
     max_length: int = 128,
     batch_size: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logits [N, C], labels [N])`` of an already loaded encoder (``AutoModel``) on a task."""
+    """Logits ``[N, C]`` (float32, CPU) and labels ``[N]`` of a task on a loaded encoder.
+
+    Examples are returned in data order (see :func:`pooled_features`).
+    """
     task = ClassificationTask.model_validate(task)
     head = load_head(task.head)
-    texts, labels = load_examples(task)
-    bad = [label for label in labels if not 0 <= label < head.num_classes]
-    if bad:
-        raise ConfigError(
-            f"task {task.name}: label {bad[0]} in {task.data} is outside the head's "
-            f"{head.num_classes} classes ({task.head})"
-        )
-    hidden_size = getattr(model.config, "hidden_size", head.hidden_size)
+    texts, labels = load_examples(task, head.weight.shape[0])
+    hidden_size = getattr(getattr(model, "config", None), "hidden_size", head.hidden_size)
     if hidden_size != head.hidden_size:
-        raise ConfigError(
-            f"task {task.name}: head {task.head} expects hidden size {head.hidden_size}, "
-            f"the model has {hidden_size}; use the head fitted for this encoder"
+        raise TensorInputError(
+            f"head {task.head} expects hidden size {head.hidden_size} but the model's is "
+            f"{hidden_size}; use the head made for this encoder"
         )
     features = pooled_features(model, tokenizer, texts, max_length, batch_size, head.pooling)
-    return head.logits(features), torch.tensor(labels, dtype=torch.long)
+    return head.logits(features), labels
 
 
 def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """Mean of ``argmax(logits) == labels``."""
-    return float((logits.argmax(dim=-1) == labels).float().mean())
+    """Mean of argmax(logits) == labels."""
+    return float((logits.argmax(dim=-1) == labels).double().mean())
+
+
+class ClassificationEvaluator:
+    """Loads the merged encoder once per trial and scores every task's accuracy."""
+
+    def __init__(self, config: ClassificationEvaluatorConfig, device: str) -> None:
+        self.config = config
+        self.device = device
+        self.weights = {task.name: task.weight for task in config.tasks}
+        for task in config.tasks:  # read and check heads and data now, not at trial 1
+            head = load_head(task.head)
+            load_examples(task, head.weight.shape[0])
+
+    def evaluate(self, model_dir: Path) -> dict[str, float]:
+        model = load_model(model_dir, "AutoModel", self.device)
+        tokenizer = load_tokenizer(model_dir)
+        try:
+            scores = {}
+            for task in self.config.tasks:
+                logits, labels = task_logits(
+                    model, tokenizer, task, self.config.max_length, self.config.batch_size
+                )
+                scores[task.name] = accuracy(logits, labels)
+        finally:
+            del model, tokenizer
+            release_memory()
+        return scores

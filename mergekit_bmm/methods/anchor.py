@@ -5,7 +5,10 @@
 1. an input marked ``anchor: true`` (a merge materialised once elsewhere);
 2. ``anchor_method: pretrained`` — the base itself (U0 = 0);
 3. any registered mergekit method, run on the same base and experts through its public
-   ``__call__`` with its own parameters forwarded from the recipe.
+   ``__call__`` with its own parameters forwarded from the recipe
+   (:func:`~mergekit_bmm.methods.parameters.anchor_value`: ``anchor_<name>`` first, then
+   ``<name>``; of BMM's own names only ``stats`` also reaches the anchor, so one
+   statistics directory serves data-assisted BMM and a ``regmean`` anchor).
 
 Random anchors (DARE, DELLA) draw from torch's global generator; the call is wrapped in
 a generator seeded from the tensor name (crc32, stable across processes) and

@@ -32,6 +32,8 @@ from mergekit_bmm.errors import TensorInputError
 from mergekit_bmm.methods.anchor import anchor_weight, resolve_anchor_method
 from mergekit_bmm.methods.parameters import BMMSettings, build_spec
 from mergekit_bmm.module_map import classify, layer_index
+from mergekit_bmm.sampling import hook as solved_tensors
+from mergekit_bmm.sampling.hook import SolvedTensor
 
 LOG = logging.getLogger("mergekit_bmm")
 
@@ -144,6 +146,13 @@ class BMMMerge(GroupMergeMethod):
 
         equations = self.normal_equations(settings, group, tasks, task_vectors)
         merged = closed_form.merge_matrix(equations, prior, settings.lam, settings.lambda_mode)
+        if solved_tensors.active():  # mergekit-bmm-sample is listening
+            ridge = closed_form.effective_ridge(settings.lam, equations, settings.lambda_mode)
+            solved_tensors.report(
+                SolvedTensor(
+                    name, equations.gram, ridge, merged, base_c, settings.scale, transpose, base.dtype, dtype
+                )
+            )
         return (base_c + settings.scale * orient(merged)).to(base.dtype)
 
     def normal_equations(
@@ -161,7 +170,8 @@ class BMMMerge(GroupMergeMethod):
                 return data_free
         from mergekit_bmm.stats.store import activation_grams_for
 
-        grams = activation_grams_for(settings.stats, group.metadata.name, [e.id for e in tasks])
+        d_in = task_vectors[0].shape[1]
+        grams = activation_grams_for(settings.stats, group.metadata.name, [e.id for e in tasks], d_in=d_in)
         grams = [g.to(device=task_vectors[0].device) for g in grams]
         few = closed_form.activation_equations(task_vectors, grams, settings.compute_dtype)
         if settings.gram == "activations":

@@ -8,7 +8,9 @@ Two kinds of parameters reach the kernel:
   declares every parameter that any registered method accepts, so mergekit resolves
   them from the recipe like its own; the kernel forwards to the chosen anchor only
   those it declares. A name that BMM uses itself (``lambda``, ``epsilon``) reaches the
-  anchor as ``anchor_lambda``/``anchor_epsilon``.
+  anchor as ``anchor_lambda``/``anchor_epsilon``. ``stats`` is the exception: BMM's own
+  value also serves an anchor that reads statistics (``regmean``) unless
+  ``anchor_stats`` is given.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ class CheckedParameter(ParameterSpec):
     """A ParameterSpec whose validation failures are one readable line."""
 
     check: Callable[[Any], Any] | None = None
+    owner: str = "bmm"
 
     def validate(self, value: Any) -> Any:
         try:
             value = super().validate(value)
         except pydantic.ValidationError:
             raise ConfigError(
-                f"bmm parameter `{self.name}`: {value!r} is not a valid {self.description or 'value'}"
+                f"{self.owner} parameter `{self.name}`: {value!r} is not a valid "
+                f"{self.description or 'value'}"
             ) from None
         return self.check(value) if self.check is not None and value is not None else value
 
@@ -221,9 +225,21 @@ class BMMSettings:
         return settings
 
 
+# BMM's own parameters whose value also serves an anchor that declares the same name,
+# unless ``anchor_<name>`` is given: one statistics directory feeds both data-assisted
+# BMM and a RegMean anchor.
+SHARED_WITH_ANCHOR = frozenset({"stats"})
+
+
 def anchor_value(parameters: Mapping[str, Any], name: str) -> Any:
-    """The value the user gave for the anchor's parameter ``name`` (None if unset)."""
+    """The value the user gave for the anchor's parameter ``name`` (None if unset).
+
+    ``anchor_<name>`` wins; otherwise a name BMM does not use itself is read as is, and one
+    of BMM's own names only where it is in :data:`SHARED_WITH_ANCHOR` (``stats``).
+    """
     prefixed = parameters.get(ANCHOR_PREFIX + name)
-    if prefixed is not None or name in OWN_NAMES:
+    if prefixed is not None:
         return prefixed
+    if name in OWN_NAMES and name not in SHARED_WITH_ANCHOR:
+        return None
     return parameters.get(name)

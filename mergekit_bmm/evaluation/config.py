@@ -1,0 +1,167 @@
+"""The ``evaluator:`` section of a search config: one pydantic model per evaluator type.
+
+Validated once, when the search config is read; relative paths are resolved against the
+folder of the file that names them (pass ``context={"base_dir": folder}``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+
+def resolve_path(value: str | None, info: ValidationInfo) -> str | None:
+    """An absolute path; relative ones are taken from the config file's folder."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        base = (info.context or {}).get("base_dir") or Path.cwd()
+        path = Path(base) / path
+    return str(path.resolve())
+
+
+def _check_limit(value: int | float | None) -> int | float | None:
+    if value is None:
+        return None
+    if isinstance(value, float) and not value.is_integer():
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"a fractional limit must lie in (0, 1); got {value}")
+        return value
+    if value < 1:
+        raise ValueError(f"limit must be at least 1 example (or a fraction in (0, 1)); got {value}")
+    return int(value)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PythonEvaluatorConfig(_Strict):
+    """``type: python``: a function ``package.module:function`` gets the merged model's folder."""
+
+    type: Literal["python"]
+    callable: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    # A transformers class name (e.g. AutoModelForCausalLM): the function then also gets
+    # ``model=`` (loaded, in eval mode, on the search's device) and ``tokenizer=``.
+    load_model: str | None = None
+    # Extra keyword arguments for the function.
+    args: dict[str, Any] = Field(default_factory=dict)
+    # Folders put in front of sys.path so the module can be imported (relative: to search.yml).
+    python_path: list[str] = Field(default_factory=list)
+
+    @field_validator("python_path")
+    @classmethod
+    def _resolve(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        return [resolve_path(item, info) for item in value]
+
+
+class LMEvalTask(_Strict):
+    """One lm-eval task, the metric that scores it and its weight in the mean."""
+
+    name: str = Field(min_length=1)
+    metric: str = "acc"
+    weight: float = Field(default=1.0, gt=0)
+
+    @property
+    def metric_key(self) -> str:
+        """lm-eval's result key: ``metric,filter`` (filter ``none`` unless given)."""
+        return self.metric if "," in self.metric else f"{self.metric},none"
+
+
+class LMEvalEvaluatorConfig(_Strict):
+    """``type: lm_eval``: lm-evaluation-harness on the merged model, offline."""
+
+    type: Literal["lm_eval"]
+    tasks: list[LMEvalTask] = Field(min_length=1)
+    include_path: str | None = None
+    limit: int | float | None = None
+    batch_size: int | str = 8
+    num_fewshot: int | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _names_as_tasks(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"name": item} if isinstance(item, str) else item for item in value]
+        return value
+
+    @field_validator("include_path")
+    @classmethod
+    def _resolve(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return resolve_path(value, info)
+
+    @field_validator("limit")
+    @classmethod
+    def _limit(cls, value: int | float | None) -> int | float | None:
+        return _check_limit(value)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> LMEvalEvaluatorConfig:
+        names = [task.name for task in self.tasks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"task names must be unique; got {names}")
+        return self
+
+
+class ClassificationTask(_Strict):
+    """A classification task: a fixed head over the encoder and a local JSONL data file."""
+
+    name: str = Field(min_length=1)
+    head: str
+    data: str
+    split: str | None = None
+    limit: int | float | None = None
+    text_field: str = "text"
+    label_field: str = "label"
+    weight: float = Field(default=1.0, gt=0)
+
+    @field_validator("head", "data")
+    @classmethod
+    def _resolve(cls, value: str, info: ValidationInfo) -> str:
+        return resolve_path(value, info)
+
+    @field_validator("limit")
+    @classmethod
+    def _limit(cls, value: int | float | None) -> int | float | None:
+        return _check_limit(value)
+
+
+class ClassificationEvaluatorConfig(_Strict):
+    """``type: classification``: accuracy of fixed heads on the merged encoder."""
+
+    type: Literal["classification"]
+    tasks: list[ClassificationTask] = Field(min_length=1)
+    max_length: int = Field(default=128, ge=1)
+    batch_size: int = Field(default=32, ge=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ClassificationEvaluatorConfig:
+        names = [task.name for task in self.tasks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"task names must be unique; got {names}")
+        return self
+
+
+EvaluatorConfig = Annotated[
+    PythonEvaluatorConfig | LMEvalEvaluatorConfig | ClassificationEvaluatorConfig,
+    Field(discriminator="type"),
+]
+
+
+def task_weights(config: Any) -> dict[str, float]:
+    """Per-task weights of the score's mean (empty: all tasks weigh 1)."""
+    tasks = getattr(config, "tasks", None) or []
+    return {task.name: task.weight for task in tasks}
+
+
+def weighted_mean(per_task: dict[str, float], weights: dict[str, float]) -> float:
+    """The score: the (weighted) mean over tasks, paper eq. 10. NaN if any task is NaN."""
+    if not per_task:
+        return math.nan
+    total = sum(weights.get(name, 1.0) for name in per_task)
+    return sum(weights.get(name, 1.0) * value for name, value in per_task.items()) / total

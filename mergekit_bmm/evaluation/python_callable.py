@@ -1,0 +1,90 @@
+"""``type: python``: a function of your own scores the merged model.
+
+The function is named ``package.module:function``. It is called as
+``function(model_dir, **args)``, or with ``load_model`` set,
+``function(model_dir, model=..., tokenizer=..., **args)`` where ``model`` is already
+loaded on the search's device. It returns one number, or a mapping of per-task numbers
+(the search's score is then their mean).
+"""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.evaluation.base import load_model, load_tokenizer, release_memory
+from mergekit_bmm.evaluation.config import PythonEvaluatorConfig
+
+SINGLE_TASK = "score"
+
+
+def import_callable(spec: str, python_path: list[str] | None = None) -> Callable[..., Any]:
+    """``package.module:function`` → the function (one-line errors if it is not there)."""
+    for folder in reversed(python_path or []):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    module_name, _, attribute = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(
+            f"evaluator callable {spec!r}: cannot import {module_name!r} ({error}); install it or "
+            "add its folder to evaluator.python_path"
+        ) from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ConfigError(
+            f"evaluator callable {spec!r}: module {module_name!r} has no function {attribute!r}"
+        )
+    return function
+
+
+def _number(value: Any, where: str) -> float:
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # numpy / torch scalars
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{where} returned {type(value).__name__} {value!r}; return a number")
+    return float(value)
+
+
+def as_per_task(result: Any, spec: str) -> dict[str, float]:
+    """A number or a ``{task: number}`` mapping → per-task floats."""
+    if isinstance(result, Mapping):
+        if not result:
+            raise ConfigError(f"evaluator {spec!r} returned an empty mapping; return at least one task score")
+        return {
+            str(task): _number(value, f"evaluator {spec!r} for task {task!r}")
+            for task, value in result.items()
+        }
+    return {SINGLE_TASK: _number(result, f"evaluator {spec!r}")}
+
+
+class PythonEvaluator:
+    """Calls the configured function on each merged model."""
+
+    def __init__(self, config: PythonEvaluatorConfig, device: str) -> None:
+        self.config = config
+        self.device = device
+        self.function = import_callable(config.callable, config.python_path)
+        self.weights: dict[str, float] = {}
+
+    def evaluate(self, model_dir: Path) -> dict[str, float]:
+        kwargs = dict(self.config.args)
+        model = tokenizer = None
+        if self.config.load_model:
+            model = load_model(model_dir, self.config.load_model, self.device)
+            tokenizer = load_tokenizer(model_dir)
+            kwargs.update(model=model, tokenizer=tokenizer)
+        try:
+            result = self.function(Path(model_dir), **kwargs)
+        finally:
+            loaded = model is not None
+            del kwargs, model, tokenizer
+            if loaded:
+                release_memory()
+        return as_per_task(result, self.config.callable)

@@ -1,0 +1,72 @@
+"""``merge_method: regmean`` — RegMean from per-task activation Grams.
+
+The math is in :mod:`mergekit_bmm.anchors.regmean`.
+
+The Grams come from a statistics directory (``stats:``, written by ``mergekit-bmm-stats``;
+format in :mod:`mergekit_bmm.stats.store`), read only through
+:func:`~mergekit_bmm.stats.store.activation_grams_for`, which matches each expert to its task
+by path and refuses statistics made from other checkpoints. The same directory serves
+data-assisted ``bmm``; inside a ``bmm`` recipe with ``anchor_method: regmean``, bmm's own
+``stats`` feeds the anchor too unless ``anchor_stats`` is given.
+"""
+
+from __future__ import annotations
+
+from mergekit.merge_methods.base import ParameterScope
+
+from mergekit_bmm.anchors.regmean import DEFAULT_OFF_DIAGONAL_SCALE, regmean_merge
+from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.methods.parameters import CheckedParameter
+from mergekit_bmm.methods.task_vector_method import TaskVectorMethod, in_unit_interval
+
+
+class RegMeanMerge(TaskVectorMethod):
+    """Least-squares fit to every expert's outputs on its own calibration inputs."""
+
+    method_name = "regmean"
+    pretty_name = "RegMean"
+    reference_url = "https://arxiv.org/abs/2212.09849"
+
+    def method_parameters(self):
+        shared = ParameterScope.SHARED
+        return (
+            CheckedParameter(
+                "stats",
+                str | None,
+                shared,
+                default=None,
+                description="path to a statistics directory",
+                owner=self.method_name,
+            ),
+            CheckedParameter(
+                "off_diagonal_scale",
+                float,
+                shared,
+                default=DEFAULT_OFF_DIAGONAL_SCALE,
+                description="number in [0, 1] (factor on the Grams' off-diagonal entries)",
+                check=in_unit_interval(self.method_name, "off_diagonal_scale"),
+                owner=self.method_name,
+            ),
+        )
+
+    def output_scale(self, parameters):
+        return 1.0
+
+    def check_parameters(self, parameters):
+        if not parameters.get("stats"):
+            raise ConfigError(
+                "regmean needs activation statistics: add `stats: /path/to/stats` (made by "
+                "mergekit-bmm-stats) to the recipe's parameters"
+            )
+
+    def merge_matrix(self, task_vectors, group, tasks, parameters):
+        from mergekit_bmm.stats.store import activation_grams_for
+
+        stats_dir = parameters["stats"]
+        name = group.metadata.name or ""
+        in_features = task_vectors[0].shape[1]
+        # the store checks each Gram's size and finiteness against the weight
+        grams = activation_grams_for(stats_dir, name, [entry.id for entry in tasks], d_in=in_features)
+        device = task_vectors[0].device
+        checked = [gram.to(device=device) for gram in grams]
+        return regmean_merge(task_vectors, checked, parameters["off_diagonal_scale"])

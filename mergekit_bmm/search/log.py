@@ -1,0 +1,115 @@
+"""``trials.jsonl``: the append-only record of finished trials, and its replay.
+
+Each finished trial is one JSON line, written with a single ``write`` on an ``O_APPEND``
+descriptor and ``fsync``-ed before the next trial starts. A process killed at any moment
+therefore leaves complete lines plus, at worst, one torn last line (a write cut short),
+which :func:`read_trials` drops and :func:`repair` truncates. Nothing else is ever
+rewritten, so a crash cannot lose finished trials.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mergekit_bmm.errors import ConfigError
+
+OK = "ok"
+FAILED = "failed"
+
+
+@dataclass
+class TrialRecord:
+    """One finished trial."""
+
+    trial: int
+    status: str
+    values: dict[str, float]
+    score: float | None
+    per_task: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    time: dict[str, float] = field(default_factory=dict)  # merge, evaluate, surrogate (seconds)
+    yaml: str = ""  # the trial's recipe, relative to --out
+    yaml_sha256: str = ""
+    finished_at: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    def to_line(self) -> bytes:
+        data = asdict(self)
+        # JSON has no NaN; a failed trial's score is null and its error says why.
+        if data["score"] is not None and not math.isfinite(data["score"]):
+            data["score"] = None
+        data["per_task"] = {k: (v if math.isfinite(v) else None) for k, v in data["per_task"].items()}
+        return (json.dumps(data, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrialRecord:
+        known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+        per_task = {
+            k: (math.nan if v is None else float(v)) for k, v in (known.get("per_task") or {}).items()
+        }
+        known["per_task"] = per_task
+        return cls(**known)
+
+
+def read_trials(path: Path) -> tuple[list[TrialRecord], int]:
+    """The logged trials and the byte length of the intact part of the file.
+
+    A last line without its newline is a write that a kill interrupted: it is ignored
+    (that trial is run again). Any other damage is reported, never guessed around.
+    """
+    path = Path(path)
+    if not path.exists():
+        return [], 0
+    data = path.read_bytes()
+    intact = data.rfind(b"\n") + 1
+    records = []
+    for number, line in enumerate(data[:intact].splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = TrialRecord.from_dict(json.loads(line))
+        except (ValueError, TypeError) as error:
+            raise ConfigError(
+                f"{path} line {number} is not a trial record ({error}); the log was edited or damaged: "
+                "restore it or start a new --out"
+            ) from None
+        if record.trial != len(records):
+            raise ConfigError(
+                f"{path} line {number} holds trial {record.trial} where trial {len(records)} was "
+                "expected; the log was edited: restore it or start a new --out"
+            )
+        records.append(record)
+    return records, intact
+
+
+def repair(path: Path, intact: int) -> bool:
+    """Cut a torn last line off the log; True if something was cut."""
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == intact:
+        return False
+    with open(path, "r+b") as handle:
+        handle.truncate(intact)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return True
+
+
+def append_trial(path: Path, record: TrialRecord) -> None:
+    """Append one line durably: one write, then fsync."""
+    line = record.to_line()
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(descriptor, line)
+        while written < len(line):  # regular files write fully; be safe anyway
+            written += os.write(descriptor, line[written:])
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,69 @@
+"""Statistics directories with made-up Grams, written with the real store format.
+
+Tests of methods that read activation statistics (``regmean``, data-assisted ``bmm``) need
+Grams for given experts without running a calibration pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from mergekit_bmm import __version__
+from mergekit_bmm.fingerprint import model_fingerprint
+from mergekit_bmm.stats.store import GRAM_DIR, StatsManifest, TaskStats, write_grams, write_manifest
+
+
+def random_gram(size: int, generator: torch.Generator, tokens: int | None = None) -> torch.Tensor:
+    """A mean Gram ``XᵀX/N`` of random activations with uneven feature scales."""
+    tokens = tokens or 4 * size
+    x = torch.randn(tokens, size, generator=generator, dtype=torch.float64)
+    x = x * torch.linspace(0.3, 2.0, size, dtype=torch.float64)
+    return (x.T @ x / tokens).float()
+
+
+def write_stats(
+    stats_dir: Path, experts: Sequence[str | Path], grams: Mapping[str, Sequence[torch.Tensor]]
+) -> Path:
+    """Write ``grams`` (weight name → one Gram per expert, in order) as a statistics directory."""
+    stats_dir = Path(stats_dir)
+    tasks = []
+    for index, expert in enumerate(experts):
+        file = f"task{index}.safetensors"
+        write_grams(stats_dir / GRAM_DIR / file, {name: per_task[index] for name, per_task in grams.items()})
+        tasks.append(
+            TaskStats(
+                name=f"task{index}",
+                model=str(expert),
+                fingerprint=model_fingerprint(expert),
+                file=file,
+                samples=8,
+                tokens=64,
+            )
+        )
+    manifest = StatsManifest(package_version=__version__, tasks=tasks, modules={name: name for name in grams})
+    write_manifest(stats_dir, manifest)
+    return stats_dir
+
+
+def input_size(name: str, tensor: torch.Tensor, stored_in_out: bool) -> int:
+    return tensor.shape[0] if stored_in_out else tensor.shape[1]
+
+
+def stats_for_family(stats_dir: Path, family, seed: int = 0) -> tuple[Path, dict[str, list[torch.Tensor]]]:
+    """Random Grams for every body weight of a tiny family's experts."""
+    from conftest import load_weights
+
+    from mergekit_bmm.module_map import classify
+
+    generator = torch.Generator().manual_seed(seed)
+    grams: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in load_weights(family.base).items():
+        info = classify(name, family.architecture) if tensor.ndim == 2 else None
+        if info is None:
+            continue
+        size = input_size(name, tensor, info.stored_in_out)
+        grams[name] = [random_gram(size, generator) for _ in family.experts]
+    return write_stats(stats_dir, family.experts, grams), grams
