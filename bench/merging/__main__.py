@@ -36,20 +36,30 @@ def main() -> None:
 )
 @click.option(
     "--until",
-    type=click.Choice(["data", "heads", "experts", "scores", "task_arithmetic", "language"]),
+    type=click.Choice(
+        ["data", "heads", "experts", "scores", "task_arithmetic", "anchors", "bmm", "ablation", "language"]
+    ),
     default="language",
     show_default=True,
     help="Stop after this stage.",
 )
-def run(config: Path, cache_dir: Path, results_dir: Path, until: str) -> None:
+@click.option(
+    "--language-only",
+    is_flag=True,
+    help="Run only the language track (writes language.json; the full report picks it up).",
+)
+def run(config: Path, cache_dir: Path, results_dir: Path, until: str, language_only: bool) -> None:
     """Build what is missing, reuse what is cached, write the results."""
     for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(variable, "1")
     from bench.merging.config import load_config
-    from bench.merging.pipeline import run_benchmark
+    from bench.merging.pipeline import run_benchmark, run_language_only
 
     try:
-        run_benchmark(load_config(config), cache_dir, results_dir, until)
+        if language_only:
+            run_language_only(load_config(config), cache_dir, results_dir)
+        else:
+            run_benchmark(load_config(config), cache_dir, results_dir, until)
     except Exception as error:
         ours = error if isinstance(error, BMMError) else find_bmm_error(error)
         if ours is None:

@@ -7,7 +7,7 @@ the config alone (plus fingerprints of the inputs it reads).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -92,6 +92,65 @@ class TaskArithmeticSpec(_Strict):
     keep_models: bool = False
 
 
+class EvaluationSpec(_Strict):
+    """How many examples per task every merged model is scored on (fixed subsets)."""
+
+    validation_limit: int | None = Field(
+        default=None, ge=1, description="validation examples per task for tuning and search (None = all)"
+    )
+    test_limit: int | None = Field(default=None, ge=1, description="test examples per task (None = all)")
+
+
+class AnchorSpec(_Strict):
+    """An anchor merge and the grid its own scale is tuned over on validation."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="the row's name (pretrained, ties, tsv, ...)")
+    method: str = Field(description="registered mergekit method")
+    parameters: dict[str, Any] = Field(default_factory=dict, description="global parameters")
+    model_parameters: dict[str, Any] = Field(default_factory=dict, description="per-model parameters")
+    grid: dict[str, list[float]] = Field(
+        default_factory=dict,
+        description="at most one parameter and its values; `model.NAME` is a per-model parameter",
+    )
+
+    @model_validator(mode="after")
+    def _one_grid(self) -> AnchorSpec:
+        if len(self.grid) > 1 or any(not values for values in self.grid.values()):
+            raise ValueError(f"anchor {self.name}: `grid` takes one parameter with at least one value")
+        return self
+
+
+class StatsSpec(_Strict):
+    """Activation statistics (``mergekit-bmm-stats``) from each task's train split."""
+
+    max_samples: int = Field(default=64, ge=1)
+    batch_size: int = Field(default=8, ge=1)
+
+
+class SearchSpec(_Strict):
+    """``mergekit-bmm-search`` runs: BMM over each anchor, data-free and data-assisted."""
+
+    anchors: list[str] = Field(default_factory=list, description="anchor names (`pretrained`, ...)")
+    settings: list[Literal["data_free", "data_assisted"]] = ["data_free", "data_assisted"]
+    blocks: int = Field(default=2, ge=1)
+    groups: list[str] = ["attn_in+attn_out", "mlp_in", "mlp_out"]
+    lambda_range: tuple[float, float] = (1e-3, 10.0)
+    scale_range: tuple[float, float] | None = (0.8, 1.4)
+    budget: int = Field(default=10, ge=0)
+    n_initial: int = Field(default=5, ge=1)
+    acq_optimizer: Literal["auto", "lbfgs", "sampling"] = "sampling"
+    seed: int = 0
+    threads: int = Field(default=1, ge=1)
+
+
+class AblationSpec(_Strict):
+    """Table 3 in kind: shared-λ grid and random search against BO at the same budget."""
+
+    anchor: str | None = Field(default=None, description="anchor of the ablation (None = no ablation)")
+    setting: Literal["data_free", "data_assisted"] = "data_free"
+    strategies: list[Literal["grid", "random"]] = ["grid", "random"]
+
+
 class LanguageTaskSpec(_Strict):
     """A multiple-choice task for the language track, built from a classification corpus."""
 
@@ -131,6 +190,10 @@ class LanguageSpec(_Strict):
     eval_batch_size: int = Field(default=16, ge=1)
     eval_limit: int | None = Field(default=None, ge=1, description="lm-eval documents per split (None = all)")
     task_arithmetic_weights: list[float] = Field(default=[0.3, 0.5, 0.7], min_length=1)
+    search: SearchSpec = Field(
+        default_factory=lambda: SearchSpec(budget=0, n_initial=1),
+        description="BMM (data-free) over the tuned TA merge, searched with lm-eval; budget 0 = off",
+    )
 
 
 class RunConfig(_Strict):
@@ -145,6 +208,11 @@ class RunConfig(_Strict):
     head: HeadSpec = Field(default_factory=HeadSpec)
     finetune: FinetuneSpec = Field(default_factory=FinetuneSpec)
     task_arithmetic: TaskArithmeticSpec = Field(default_factory=TaskArithmeticSpec)
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    anchors: list[AnchorSpec] = Field(default_factory=list, description="anchors besides Task Arithmetic")
+    stats: StatsSpec = Field(default_factory=StatsSpec)
+    search: SearchSpec = Field(default_factory=SearchSpec)
+    ablation: AblationSpec = Field(default_factory=AblationSpec)
     language: LanguageSpec = Field(default_factory=LanguageSpec)
     niceness: int = Field(default=10, ge=0, le=19, description="the run lowers its CPU priority to this")
 

@@ -21,17 +21,19 @@ import yaml
 from tqdm.auto import tqdm
 
 from bench.merging import report
+from bench.merging.anchors import materialise, tune_anchor
 from bench.merging.cache import ScoreCache, read_json, stable_key, write_json
-from bench.merging.config import RunConfig
+from bench.merging.config import AnchorSpec, RunConfig
 from bench.merging.encoder import load_encoder, prepare_encoder
 from bench.merging.finetune import build_expert
 from bench.merging.heads import build_head
-from bench.merging.merging import recipe_key, run_mergekit, task_arithmetic_recipe
+from bench.merging.merging import recipe_key, run_mergekit
 from bench.merging.scoring import ScoredTask, mean, score_model
+from bench.merging.searches import bmm_template, collect_stats, run_search, search_config
 from bench.merging.tasks import build_task_data
 from mergekit_bmm.errors import ConfigError
 
-STAGES = ("data", "heads", "experts", "scores", "task_arithmetic", "language")
+STAGES = ("data", "heads", "experts", "scores", "task_arithmetic", "anchors", "bmm", "ablation", "language")
 
 
 def say(message: str) -> None:
@@ -47,6 +49,8 @@ class Artifacts:
     tasks: dict[str, ScoredTask] = field(default_factory=dict)
     experts: dict[str, Path] = field(default_factory=dict)
     records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    anchors: dict[str, Path] = field(default_factory=dict)
+    stats: Path | None = None
 
 
 class EncoderHandle:
@@ -70,6 +74,21 @@ def lower_priority(niceness: int) -> None:
             os.nice(niceness - current)
     except OSError:
         pass
+
+
+def run_language_only(config: RunConfig, cache_dir: Path, results_dir: Path) -> dict[str, Any]:
+    """Only the language track (it can run beside the encoder track); ``language.json``."""
+    import torch
+
+    from bench.merging.language.track import run_language_track
+
+    lower_priority(config.niceness)
+    torch.set_num_threads(config.language.finetune.threads)
+    language = run_language_track(config, Path(cache_dir).resolve())
+    folder = Path(results_dir).resolve() / config.name
+    write_json(folder / "language.json", language)
+    say(report.language_markdown(language))
+    return language
 
 
 def run_benchmark(
@@ -108,10 +127,19 @@ def run_benchmark(
     if stop >= STAGES.index("task_arithmetic"):
         _task_arithmetic(config, cache_dir, art, results)
     write_manifest(config, cache_dir, art)
+    if stop >= STAGES.index("anchors") and config.anchors:
+        _anchors(config, cache_dir, art, encoder, results)
+    if stop >= STAGES.index("bmm") and config.search.anchors:
+        _bmm(config, cache_dir, art, results)
+    if stop >= STAGES.index("ablation") and config.ablation.anchor:
+        _ablation(config, cache_dir, art, results)
     if stop >= STAGES.index("language") and config.language.enabled:
         from bench.merging.language.track import run_language_track
 
         results["language"] = run_language_track(config, cache_dir)
+        write_json(results_dir / config.name / "language.json", results["language"])
+    elif (results_dir / config.name / "language.json").is_file() and config.language.enabled:
+        results["language"] = read_json(results_dir / config.name / "language.json")
     results["timings"]["this_run_seconds"] = round(time.time() - started, 1)
     report.write(results, results_dir / config.name)
     say(report.markdown(results))
@@ -173,7 +201,14 @@ def _scores(config: RunConfig, cache_dir: Path, art: Artifacts, encoder: Encoder
     jobs = [(task, split) for task in tasks for split in ("validation", "test")]
     started = time.time()
     pretrained = score_model(
-        art.encoder_fingerprint, encoder, jobs, config.max_length, config.eval_batch_size, cache, "pretrained"
+        art.encoder_fingerprint,
+        encoder,
+        jobs,
+        config.max_length,
+        config.eval_batch_size,
+        cache,
+        "pretrained",
+        limits(config),
     )
     report.add_row(results, "pretrained", "anchor", pretrained, {})
     for task in tqdm(tasks, desc="score experts", leave=False):
@@ -186,56 +221,210 @@ def _scores(config: RunConfig, cache_dir: Path, art: Artifacts, encoder: Encoder
             config.eval_batch_size,
             cache,
             task.name,
+            limits(config),
         )
         results["indiv"][task.name] = own[(task.name, "test")]
         results["indiv_validation"][task.name] = own[(task.name, "validation")]
     results["timings"]["scores_seconds_this_run"] = round(time.time() - started, 1)
 
 
-def _task_arithmetic(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
-    """TA over all experts at each weight on validation; the best weight also on test."""
+def limits(config: RunConfig) -> dict[str, int | None]:
+    """Fixed subset sizes per split (the same for every model, the search included)."""
+    return {"validation": config.evaluation.validation_limit, "test": config.evaluation.test_limit}
+
+
+def task_arithmetic_spec(config: RunConfig) -> AnchorSpec:
+    return AnchorSpec(
+        name="task_arithmetic",
+        method="task_arithmetic",
+        grid={"model.weight": list(config.task_arithmetic.weights)},
+    )
+
+
+def _tune(spec: AnchorSpec, config: RunConfig, cache_dir: Path, art: Artifacts, results) -> dict[str, Any]:
+    """One anchor: its grid on validation, the best merge kept and scored on test; adds its row."""
     cache = ScoreCache(cache_dir)
     tasks = list(art.tasks.values())
     experts = [art.experts[task.name] for task in tasks]
     work = cache_dir / "merges" / "work"
-    records = {}
-    for weight in tqdm(config.task_arithmetic.weights, desc="task arithmetic", leave=False):
-        recipe = task_arithmetic_recipe(art.encoder, experts, weight)
-        records[weight] = _merge_and_score(
-            recipe, [(t, "validation") for t in tasks], config, cache, cache_dir, work
-        )
-        say(
-            f"task_arithmetic weight {weight:<4g} validation avg "
-            f"{mean([records[weight]['scores'][(t.name, 'validation')] for t in tasks]):.4f} "
-            f"merge {records[weight]['merge_seconds']:.0f} s"
-        )
-    best = max(
-        config.task_arithmetic.weights,
-        key=lambda w: (mean([records[w]["scores"][(t.name, "validation")] for t in tasks]), -w),
+
+    def merge_and_score(recipe, jobs, folder=None):
+        return _merge_and_score(recipe, jobs, config, cache, cache_dir, work, folder)
+
+    started = time.time()
+    tuned = tune_anchor(
+        spec,
+        art.encoder,
+        experts,
+        art.stats,
+        merge_and_score,
+        [(t, "validation") for t in tasks],
+        cache_dir,
+        config.name,
     )
-    recipe = task_arithmetic_recipe(art.encoder, experts, best)
-    final = _merge_and_score(
-        recipe, [(t, s) for t in tasks for s in ("validation", "test")], config, cache, cache_dir, work
+    final = merge_and_score(
+        tuned["recipe"], [(t, s) for t in tasks for s in ("validation", "test")], tuned["folder"]
     )
-    sweep = {
-        str(w): round(mean([records[w]["scores"][(t.name, "validation")] for t in tasks]), 4)
-        for w in config.task_arithmetic.weights
+    hyper = {tuned["parameter"] or "parameters": tuned["value"], "validation_sweep": tuned["sweep"]}
+    report.add_row(results, spec.name, "anchor", final["scores"], hyper, budget=len(tuned["sweep"]))
+    art.anchors[spec.name] = tuned["folder"]
+    results.setdefault("anchor_runtime", {})[spec.name] = {
+        "merge_seconds": tuned["merge_seconds"],
+        "grid_points": len(tuned["sweep"]),
+        "grid_merge_seconds": tuned["grid_merge_seconds"],
+        "stage_seconds_this_run": round(time.time() - started, 1),
     }
-    report.add_row(
-        results,
-        "task_arithmetic",
-        "anchor",
-        final["scores"],
-        {"weight": best, "validation_sweep": sweep},
-        budget=len(config.task_arithmetic.weights),
+    say(
+        f"anchor    {spec.name:16s} {tuned['parameter']}={tuned['value']} validation "
+        f"{100 * tuned['validation']:.1f}  sweep {tuned['sweep']}  merge {tuned['merge_seconds']} s"
     )
-    results["timings"]["task_arithmetic_merge_seconds"] = final["merge_seconds"]
-    if work.exists() and not config.task_arithmetic.keep_models:
+    if work.exists():
         shutil.rmtree(work)
+    return tuned
 
 
-def _merge_and_score(recipe, jobs, config: RunConfig, cache: ScoreCache, cache_dir: Path, work: Path):
-    """Scores of a mergekit recipe (merging only if some score is not cached)."""
+def _task_arithmetic(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
+    """TA over all experts at each weight on validation; the best weight also on test."""
+    tuned = _tune(task_arithmetic_spec(config), config, cache_dir, art, results)
+    results["timings"]["task_arithmetic_merge_seconds"] = tuned["merge_seconds"]
+
+
+def _anchors(config: RunConfig, cache_dir: Path, art: Artifacts, encoder, results) -> None:
+    """Activation statistics (RegMean and data-assisted BMM need them), then every anchor."""
+    _stats(config, cache_dir, art, results)
+    for spec in tqdm(config.anchors, desc="anchors", leave=False):
+        _tune(spec, config, cache_dir, art, results)
+
+
+def _stats(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
+    if art.stats is not None:
+        return
+    names = list(art.tasks)
+    art.stats, seconds = collect_stats(
+        config.stats,
+        {name: art.experts[name] for name in names},
+        {name: art.tasks[name].data.data for name in names},
+        config.max_length,
+        cache_dir,
+        config.name,
+        {name: art.records[f"expert/{name}"]["fingerprint"] for name in names},
+    )
+    results["timings"]["stats_seconds"] = seconds
+    results["stats"] = {
+        "max_samples": config.stats.max_samples,
+        "max_length": config.max_length,
+        "split": "train",
+    }
+    say(f"stats     {config.stats.max_samples} sequences per task -> {art.stats} ({seconds} s)")
+
+
+def _anchor_folder(name: str, art: Artifacts) -> Path | None:
+    if name == "pretrained":
+        return None
+    if name not in art.anchors:
+        raise ConfigError(f"search anchor {name!r} is not a tuned anchor; known: {sorted(art.anchors)}")
+    return art.anchors[name]
+
+
+def _search_folder(config: RunConfig, cache_dir: Path, label: str, search: dict[str, Any]) -> Path:
+    # the budget is left out: a larger budget extends the same search (it resumes)
+    key = stable_key({"search": {k: v for k, v in search.items() if k != "budget"}, "limits": limits(config)})
+    return cache_dir / "searches" / config.name / f"{label}-{key}"
+
+
+def _one_search(
+    config: RunConfig, cache_dir: Path, art: Artifacts, anchor: str, setting: str, strategy: str
+) -> dict[str, Any]:
+    """One ``mergekit-bmm-search``, its best model scored on validation and test."""
+    tasks = list(art.tasks.values())
+    experts = [art.experts[task.name] for task in tasks]
+    if setting == "data_assisted":
+        _stats(config, cache_dir, art, {"timings": {}})
+    template = bmm_template(art.encoder, experts, _anchor_folder(anchor, art), setting, art.stats)
+    search = search_config(config.search, template, evaluator_block(config, art, "validation"), strategy)
+    folder = _search_folder(config, cache_dir, f"{anchor}-{setting}-{strategy}", search)
+    started = time.time()
+    outcome = run_search(search, folder, config.search.threads)
+    recipe = yaml.safe_load(outcome["best_yml"].read_text(encoding="utf-8"))
+    key = recipe_key(recipe)
+    best_dir = outcome["best_dir"]
+    scores = score_model(
+        key,
+        lambda: load_encoder(best_dir, config.finetune.threads),
+        [(t, s) for t in tasks for s in ("validation", "test")],
+        config.max_length,
+        config.eval_batch_size,
+        ScoreCache(cache_dir),
+        f"{anchor} {setting} {strategy}",
+        limits(config),
+    )
+    validation = mean([scores[(t.name, "validation")] for t in tasks])
+    outcome.update(
+        scores=scores,
+        folder=folder,
+        validation_rescored=validation,
+        seconds_this_run=round(time.time() - started, 1),
+    )
+    return outcome
+
+
+def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
+    """BMM over each anchor, data-free and data-assisted, λ/s from ``mergekit-bmm-search``."""
+    cells = [(anchor, setting) for anchor in config.search.anchors for setting in config.search.settings]
+    runtime = results.setdefault("bmm_runtime", {})
+    for anchor, setting in tqdm(cells, desc="bmm searches", leave=False):
+        outcome = _one_search(config, cache_dir, art, anchor, setting, "bo")
+        hyper = {
+            "best_values": outcome["best_values"],
+            "search_validation": outcome["best_validation"],
+            "search": str(outcome["folder"]),
+        }
+        report.add_row(results, anchor, setting, outcome["scores"], hyper, budget=outcome["trials"])
+        runtime[f"{anchor}/{setting}"] = {
+            "trials": outcome["trials"],
+            "failed": outcome["failed"],
+            **outcome["times"],
+        }
+        say(
+            f"bmm       {anchor:16s} {setting:13s} K={outcome['trials']} search val "
+            f"{100 * outcome['best_validation']:.1f} (rescored {100 * outcome['validation_rescored']:.1f}) "
+            f"test {100 * mean([outcome['scores'][(t, 'test')] for t in art.tasks]):.1f}"
+        )
+
+
+def _ablation(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
+    """Shared-λ grid and random search against BO, same anchor, setting and budget K."""
+    spec = config.ablation
+    rows = []
+    for strategy in tqdm([*spec.strategies, "bo"], desc="ablation", leave=False):
+        outcome = _one_search(config, cache_dir, art, spec.anchor, spec.setting, strategy)
+        rows.append(
+            {
+                "strategy": strategy,
+                "budget": outcome["trials"],
+                "validation": round(outcome["best_validation"], 4),
+                "test": round(mean([outcome["scores"][(t, "test")] for t in art.tasks]), 4),
+                "best_values": outcome["best_values"],
+                "times": outcome["times"],
+                "curve": outcome["curve"],
+            }
+        )
+    results["ablation"] = {"anchor": spec.anchor, "setting": spec.setting, "rows": rows}
+
+
+def _merge_and_score(
+    recipe,
+    jobs,
+    config: RunConfig,
+    cache: ScoreCache,
+    cache_dir: Path,
+    work: Path,
+    folder: Path | None = None,
+):
+    """Scores of a mergekit recipe (merging only if some score is not cached).
+
+    With ``folder`` the merge is kept there (made once, see ``anchors.materialise``).
+    """
     key = recipe_key(recipe)
     record_path = cache_dir / "merges" / f"{key.split(':')[1]}.json"
     merge_seconds = read_json(record_path)["merge_seconds"] if record_path.is_file() else None
@@ -243,15 +432,22 @@ def _merge_and_score(recipe, jobs, config: RunConfig, cache: ScoreCache, cache_d
 
     def load():
         nonlocal merge_seconds
-        started = time.time()
-        run_mergekit(recipe, out)
-        merge_seconds = round(time.time() - started, 1)
+        if folder is not None:
+            path, merge_seconds = materialise(recipe, folder)
+        else:
+            started = time.time()
+            path = run_mergekit(recipe, out)
+            merge_seconds = round(time.time() - started, 1)
         write_json(record_path, {"recipe": recipe, "key": key, "merge_seconds": merge_seconds})
-        return load_encoder(out, config.finetune.threads)
+        return load_encoder(path, config.finetune.threads)
 
-    scores = score_model(key, load, jobs, config.max_length, config.eval_batch_size, cache, "merge")
+    scores = score_model(
+        key, load, jobs, config.max_length, config.eval_batch_size, cache, "merge", limits(config)
+    )
     if out.exists() and not config.task_arithmetic.keep_models:
         shutil.rmtree(out)
+    if folder is not None and merge_seconds is None:
+        merge_seconds = materialise(recipe, folder)[1]
     return {"scores": scores, "merge_seconds": merge_seconds, "key": key}
 
 
@@ -310,7 +506,7 @@ def evaluator_block(config: RunConfig, art: Artifacts, split: str = "validation"
                 "head": str(task.head),
                 "data": str(task.data.data),
                 "split": split,
-                "limit": task.data.counts[split],
+                "limit": limits(config).get(split) or task.data.counts[split],
                 "text_field": "text",
                 "label_field": "label",
             }

@@ -151,6 +151,187 @@ def markdown(results: dict[str, Any]) -> str:
     return text
 
 
+ANCHOR_LABELS = {
+    "pretrained": "Pretrained",
+    "task_arithmetic": "Task Arithmetic",
+    "ties": "TIES",
+    "regmean": "RegMean",
+    "tsv": "TSV-M",
+    "wudi": "WUDI",
+    "iso_cts": "ISO-CTS",
+}
+SETTING_LABELS = {"anchor": "", "data_free": " + BMM (data-free)", "data_assisted": " + BMM (data-assisted)"}
+
+
+def _values(row: dict[str, Any]) -> str:
+    hyper = row["hyperparameters"]
+    if row["setting"] == "anchor":
+        return ", ".join(f"{k}={v}" for k, v in hyper.items() if k != "validation_sweep" and v is not None)
+    values = hyper.get("best_values") or {}
+    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+
+
+def table1(results: dict[str, Any]) -> str:
+    """Paper Table 1 in kind: each anchor, then BMM over it, with the change over that anchor."""
+    tasks = results["tasks"]
+    header = ["method", *tasks, "avg", "Δ vs anchor (pts)", "Δ rel. (%)", "K", "tuned on validation"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def pct(value) -> str:
+        return "–" if value is None else f"{100 * value:.1f}"
+
+    anchors = list(dict.fromkeys(r["anchor"] for r in results["rows"]))
+    for anchor in anchors:
+        base = _row(results, anchor)
+        for setting in ("anchor", "data_free", "data_assisted"):
+            row = _row(results, anchor, setting)
+            if row is None or row["avg"] is None:
+                continue
+            name = ANCHOR_LABELS.get(anchor, anchor) + SETTING_LABELS[setting]
+            if setting != "anchor" and base and base["avg"] is not None:
+                delta = row["avg"] - base["avg"]
+                change = f"{100 * delta:+.1f}"
+                rel = f"{100 * delta / base['avg']:+.1f}" if base["avg"] else "–"
+            else:
+                change = rel = ""
+            cells = [pct(row["per_task"].get(task)) for task in tasks]
+            name = f"**{name}**" if setting != "anchor" else name
+            lines.append(
+                f"| {name} | "
+                + " | ".join(cells)
+                + f" | {pct(row['avg'])} | {change} | {rel} | {row.get('budget') or ''} | {_values(row)} |"
+            )
+    if len(results["indiv"]) == len(tasks):
+        cells = [pct(results["indiv"][task]) for task in tasks]
+        avg = sum(results["indiv"].values()) / len(tasks)
+        lines.append("| Indiv. (each expert on its task) | " + " | ".join(cells) + f" | {pct(avg)} | | | | |")
+    return "\n".join(lines)
+
+
+def runtime_table(results: dict[str, Any]) -> str:
+    """Paper Table 5 in kind: where a BMM search's time goes (seconds, this machine)."""
+    runtime = results.get("bmm_runtime") or {}
+    if not runtime:
+        return ""
+    anchors = results.get("anchor_runtime") or {}
+    stats = results.get("timings", {}).get("stats_seconds")
+    ta_merge = (anchors.get("task_arithmetic") or {}).get("merge_seconds")
+    header = [
+        "search (anchor / setting)",
+        "Gram (stats, once)",
+        "anchor merge (once)",
+        "K",
+        "merge / trial",
+        "closed form / trial ≈",
+        "GP (total)",
+        "validation / trial",
+        "search total",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cell, times in runtime.items():
+        anchor, setting = cell.split("/")
+        k = max(times["trials"], 1)
+        merge = times["merge"] / k
+        closed = f"{max(merge - ta_merge, 0):.1f}" if ta_merge is not None else "–"
+        gram = f"{stats}" if setting == "data_assisted" and stats is not None else "– (in merge)"
+        anchor_merge = (anchors.get(anchor) or {}).get("merge_seconds", "–")
+        total = times["merge"] + times["evaluate"] + times["surrogate"]
+        lines.append(
+            f"| {anchor} / {setting} | {gram} | {anchor_merge} | {times['trials']} | {merge:.1f} | "
+            f"{closed} | {times['surrogate']:.1f} | {times['evaluate'] / k:.1f} | {total:.0f} |"
+        )
+    note = (
+        "\n\n`merge / trial` is mergekit's whole merge of a trial (loading the inputs, the anchor, the "
+        "Grams, the closed form, writing the model); `closed form ≈` subtracts the Task Arithmetic merge "
+        f"time of the same models ({ta_merge} s), i.e. what BMM adds over a plain merge. "
+        "`Gram (stats, once)` is "
+        "`mergekit-bmm-stats` over all tasks, shared by every data-assisted search and RegMean; data-free "
+        "Grams `U_tᵀU_t` are formed inside the merge. `validation` is the classification evaluator on the "
+        "validation subsets. Times are wall-clock seconds on a 2-core CPU shared with other work."
+    )
+    return "\n".join(lines) + note
+
+
+def ablation_table(results: dict[str, Any]) -> str:
+    ablation = results.get("ablation")
+    if not ablation:
+        return ""
+    names = {"grid": "shared-λ grid (s = 1)", "random": "random search", "bo": "BO (GP, EI)"}
+    lines = [
+        "| strategy | K | best validation avg | test avg | values found |",
+        "|---|---|---|---|---|",
+    ]
+    for row in ablation["rows"]:
+        values = ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in (row["best_values"] or {}).items()
+        )
+        lines.append(
+            f"| {names.get(row['strategy'], row['strategy'])} | {row['budget']} | "
+            f"{100 * row['validation']:.1f} | {100 * row['test']:.1f} | {values} |"
+        )
+    return (
+        f"BMM over {ANCHOR_LABELS.get(ablation['anchor'], ablation['anchor'])}, {ablation['setting']}, "
+        "same space and budget:\n\n" + "\n".join(lines)
+    )
+
+
+def plot_anchors(results: dict[str, Any], path: Path) -> Path | None:
+    """One panel per anchor: per-task test accuracy of the anchor and BMM over it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    tasks = results["tasks"]
+    anchors = [a for a in dict.fromkeys(r["anchor"] for r in results["rows"]) if _row(results, a)]
+    if not anchors:
+        return None
+    columns = min(4, len(anchors))
+    rows_n = (len(anchors) + columns - 1) // columns
+    fig, axes = plt.subplots(rows_n, columns, figsize=(4.2 * columns, 3.4 * rows_n), squeeze=False)
+    x = np.arange(len(tasks))
+    colors = {"anchor": "#9e9e9e", "data_free": "#1f77b4", "data_assisted": "#d62728"}
+    for ax, anchor in zip(axes.flat, anchors):
+        settings = [s for s in ("anchor", "data_free", "data_assisted") if _row(results, anchor, s)]
+        width = 0.8 / max(len(settings), 1)
+        for i, setting in enumerate(settings):
+            row = _row(results, anchor, setting)
+            values = [row["per_task"].get(t, 0.0) for t in tasks]
+            label = {"anchor": "anchor", "data_free": "BMM data-free", "data_assisted": "BMM data-assisted"}
+            ax.bar(
+                x + (i - (len(settings) - 1) / 2) * width,
+                values,
+                width,
+                color=colors[setting],
+                label=f"{label[setting]} ({100 * row['avg']:.1f})"
+                if row["avg"] is not None
+                else label[setting],
+            )
+        if len(results["indiv"]) == len(tasks):
+            ax.scatter(
+                x,
+                [results["indiv"][t] for t in tasks],
+                marker="_",
+                s=200,
+                color="black",
+                label="expert",
+                zorder=3,
+            )
+        ax.set_title(ANCHOR_LABELS.get(anchor, anchor), fontsize=10)
+        ax.set_xticks(x, tasks, rotation=35, ha="right", fontsize=7)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=6, loc="lower left")
+    for ax in list(axes.flat)[len(anchors) :]:
+        ax.axis("off")
+    fig.suptitle(f"{results['encoder']}: per-task test accuracy, anchors and BMM ({results['name']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def data_table(results: dict[str, Any]) -> str:
     header = ["task", "classes", "train", "head", "validation", "test", "head C", "expert steps", "expert s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -222,8 +403,21 @@ def language_markdown(language: dict[str, Any]) -> str:
     if "task_arithmetic" in language:
         ta = language["task_arithmetic"]
         lines.append(row(f"task_arithmetic (weight {ta['weight']})", ta["scores"]))
+    if "bmm" in language:
+        bmm = language["bmm"]
+        values = ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in (bmm["best_values"] or {}).items()
+        )
+        lines.append(row(f"task_arithmetic + BMM (data-free, K={bmm['budget']}; {values})", bmm["scores"]))
     lines.append(row("Indiv. (each expert on its task)", language["indiv"]))
-    text = "Cells: validation / test accuracy (%), lm-eval `acc`.\n\n" + "\n".join(lines)
+    limit = language.get("eval_limit")
+    text = (
+        "Cells: validation / test accuracy (%), lm-eval `acc`"
+        + (f", the first {limit} documents of each split" if limit else "")
+        + ".\n\n"
+        + "\n".join(lines)
+    )
     if "task_arithmetic" in language:
         sweep = language["task_arithmetic"]["validation_sweep"]
         text += "\n\nTask Arithmetic weight sweep (validation avg): " + ", ".join(
@@ -257,7 +451,17 @@ def write(results: dict[str, Any], folder: Path) -> None:
     results["dynamic_range"] = dynamic_range(results)
     write_json(folder / "results.json", results)
     picture = plot(results, folder / "per_task.png")
-    text = [f"# {results['name']}: {results['encoder']}, test accuracy (%)", "", markdown(results), ""]
+    panels = plot_anchors(results, folder / "per_anchor.png") if len(results["rows"]) > 2 else None
+    text = [f"# {results['name']}: {results['encoder']}, test accuracy (%)", ""]
+    if any(r["setting"] != "anchor" for r in results["rows"]):
+        text += ["## Anchors and BMM (Table 1 in kind)", "", table1(results), ""]
+        if panels:
+            text += ["![per-task test accuracy per anchor](per_anchor.png)", ""]
+        if results.get("ablation"):
+            text += ["## Search strategy ablation (Table 3 in kind)", "", ablation_table(results), ""]
+        if results.get("bmm_runtime"):
+            text += ["## Runtime of the searches (Table 5 in kind)", "", runtime_table(results), ""]
+    text += ["## All rows", "", markdown(results), ""]
     text += ["## Data and experts", "", data_table(results), ""]
     if picture:
         text += ["![per-task test accuracy](per_task.png)", ""]

@@ -36,8 +36,10 @@ class ScoredTask:
         )
 
 
-def score_key(model_id: str, task: ScoredTask, split: str, max_length: int) -> dict[str, Any]:
-    return {
+def score_key(
+    model_id: str, task: ScoredTask, split: str, max_length: int, limit: int | None = None
+) -> dict[str, Any]:
+    key = {
         "model": model_id,
         "task": task.name,
         "data": task.data.sha256,
@@ -45,6 +47,9 @@ def score_key(model_id: str, task: ScoredTask, split: str, max_length: int) -> d
         "split": split,
         "max_length": max_length,
     }
+    if limit is not None:
+        key["limit"] = limit
+    return key
 
 
 def score_model(
@@ -55,14 +60,19 @@ def score_model(
     batch_size: int,
     cache: ScoreCache,
     label: str = "",
+    limits: dict[str, int | None] | None = None,
 ) -> dict[tuple[str, str], float]:
-    """Accuracy per ``(task, split)``; ``load()`` runs only if a score is missing."""
+    """Accuracy per ``(task, split)``; ``load()`` runs only if a score is missing.
+
+    ``limits`` maps a split to the size of its fixed subset (the evaluator's ``limit``).
+    """
+    limits = limits or {}
     from tqdm.auto import tqdm
 
     scores: dict[tuple[str, str], float] = {}
     missing = []
     for task, split in jobs:
-        record = cache.get(score_key(model_id, task, split, max_length))
+        record = cache.get(score_key(model_id, task, split, max_length, limits.get(split)))
         if record is None:
             missing.append((task, split))
         else:
@@ -70,9 +80,14 @@ def score_model(
     if missing:
         model, tokenizer = load()
         for task, split in tqdm(missing, desc=f"score {label}".strip(), leave=False):
-            logits, labels = task_logits(model, tokenizer, task.evaluator_task(split), max_length, batch_size)
+            limit = limits.get(split)
+            logits, labels = task_logits(
+                model, tokenizer, task.evaluator_task(split, limit), max_length, batch_size
+            )
             value = accuracy(logits, labels)
-            cache.put(score_key(model_id, task, split, max_length), {"accuracy": value, "n": len(labels)})
+            cache.put(
+                score_key(model_id, task, split, max_length, limit), {"accuracy": value, "n": len(labels)}
+            )
             scores[(task.name, split)] = value
     return scores
 

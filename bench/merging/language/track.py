@@ -50,6 +50,8 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
         "tasks": [t.name for t in tasks],
         "counts": {t.name: t.counts for t in tasks},
         "lm_eval_include_path": str(include),
+        "eval_limit": limit,
+        "finetune": spec.finetune.model_dump(),
     }
 
     jobs = [(t, split) for t in tasks for split in ("validation", "test")]
@@ -93,6 +95,10 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
     out["task_arithmetic"] = {"weight": best, "validation_sweep": sweep, "scores": summarize(scores)}
     if work.exists():
         shutil.rmtree(work)
+    if spec.search.budget > 0:
+        out["bmm"] = _bmm_over_task_arithmetic(
+            config, cache_dir, model_dir, recipe, [experts[t.name] for t in tasks], tasks, include, timings
+        )
     out["timings"] = timings
     write_json(
         cache_dir / "runs" / config.name / "language.json",
@@ -107,6 +113,55 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
         },
     )
     return out
+
+
+def _bmm_over_task_arithmetic(
+    config: RunConfig, cache_dir: Path, model_dir: Path, ta_recipe, experts, tasks, include, timings
+) -> dict[str, Any]:
+    """Data-free BMM over the tuned TA merge, λ/s from ``mergekit-bmm-search`` with lm-eval."""
+    from bench.merging.anchors import materialise
+    from bench.merging.cache import stable_key
+    from bench.merging.searches import bmm_template, run_search, search_config
+
+    spec = config.language
+    cache = ScoreCache(cache_dir)
+    limit, batch = spec.eval_limit, spec.eval_batch_size
+    anchor_dir = (
+        cache_dir / "language" / "anchors" / f"task_arithmetic-{recipe_key(ta_recipe).split(':')[1][:12]}"
+    )
+    anchor_dir.parent.mkdir(parents=True, exist_ok=True)
+    anchor_dir, _ = materialise(ta_recipe, anchor_dir)
+    template = bmm_template(model_dir, experts, anchor_dir, "data_free", None)
+    evaluator = {
+        "type": "lm_eval",
+        "tasks": [{"name": t.lm_eval_name("validation"), "metric": "acc"} for t in tasks],
+        "include_path": str(include),
+        "limit": limit,
+        "batch_size": batch,
+        "dtype": "float32",
+    }
+    search = search_config(spec.search, template, evaluator, "bo")
+    key = stable_key({k: v for k, v in search.items() if k != "budget"})
+    folder = cache_dir / "searches" / config.name / f"language-task_arithmetic-data_free-{key}"
+    say(f"LM bmm    search over task_arithmetic (K={spec.search.budget}) -> {folder}")
+    outcome = run_search(search, folder, spec.search.threads)
+    import yaml
+
+    best = yaml.safe_load(outcome["best_yml"].read_text(encoding="utf-8"))
+    jobs = [(t, s) for t in tasks for s in ("validation", "test")]
+    scores, _ = score_lm(recipe_key(best), outcome["best_dir"], jobs, include, cache, batch, limit)
+    timings["bmm_search_merge_seconds"] = outcome["times"]["merge"]
+    timings["bmm_search_evaluate_seconds"] = outcome["times"]["evaluate"]
+    timings["bmm_search_surrogate_seconds"] = outcome["times"]["surrogate"]
+    return {
+        "anchor": "task_arithmetic",
+        "setting": "data_free",
+        "budget": outcome["trials"],
+        "best_values": outcome["best_values"],
+        "search_validation": outcome["best_validation"],
+        "scores": summarize(scores),
+        "search": str(folder),
+    }
 
 
 def _merge_and_score(recipe, jobs, include, cache, batch, limit, work: Path, timings) -> dict:
