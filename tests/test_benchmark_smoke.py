@@ -250,3 +250,59 @@ def test_bad_config_is_one_line_error(tmp_path):
     assert result.exit_code != 0
     assert result.output.strip().startswith("mergekit-bmm: error: benchmark config")
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
+    """Phase 2 on the tiny run: an anchor grid, mergekit-bmm-stats, BMM searches and the ablation.
+
+    The search's own validation score of its best trial must equal the benchmark's score of
+    ``best/`` on the same subsets: both go through the one classification scorer.
+    """
+    import shutil
+
+    root, config_path = tiny_run
+    config = yaml.safe_load(config_path.read_text())
+    config.update(
+        {
+            "evaluation": {"validation_limit": 12, "test_limit": 20},
+            "anchors": [{"name": "tsv", "method": "tsv", "grid": {"alpha": [0.5, 1.0]}}],
+            "stats": {"max_samples": 4},
+            "search": {
+                "anchors": ["task_arithmetic"],
+                "settings": ["data_free", "data_assisted"],
+                "blocks": 1,
+                "groups": ["attn_in+attn_out", "mlp_in+mlp_out"],
+                "budget": 2,
+                "n_initial": 1,
+            },
+            "ablation": {"anchor": "task_arithmetic", "setting": "data_free", "strategies": ["grid"]},
+        }
+    )
+    phase2 = tmp_path / "phase2.yml"
+    phase2.write_text(yaml.safe_dump(config))
+    if (root / "cache").is_dir():  # reuse the first test's data, heads and experts when it ran
+        shutil.copytree(root / "cache", tmp_path / "cache")
+    result = run_cli(phase2, tmp_path)
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results" / "smoke" / "results.json").read_text())
+    cells = {(row["anchor"], row["setting"]): row for row in results["rows"]}
+    assert set(cells) == {
+        ("pretrained", "anchor"),
+        ("task_arithmetic", "anchor"),
+        ("tsv", "anchor"),
+        ("task_arithmetic", "data_free"),
+        ("task_arithmetic", "data_assisted"),
+    }
+    assert cells[("tsv", "anchor")]["hyperparameters"]["alpha"] in (0.5, 1.0)
+    for setting in ("data_free", "data_assisted"):
+        row = cells[("task_arithmetic", setting)]
+        assert row["budget"] == 2 and set(row["hyperparameters"]["best_values"])
+        assert abs(row["hyperparameters"]["search_validation"] - row["validation_avg"]) < 1e-3
+    assert [r["strategy"] for r in results["ablation"]["rows"]] == ["grid", "bo"]
+    text = (tmp_path / "results" / "smoke" / "results.md").read_text()
+    assert "Table 1 in kind" in text and "Table 3 in kind" in text and "Table 5 in kind" in text
+    assert (tmp_path / "results" / "smoke" / "per_anchor.png").stat().st_size > 0
+
+    again = run_cli(phase2, tmp_path)  # every cell is cached: nothing is merged or searched again
+    assert again.exit_code == 0, again.output
+    assert json.loads((tmp_path / "results" / "smoke" / "results.json").read_text())["rows"] == results["rows"]

@@ -111,7 +111,7 @@ def tune_anchor(
         "key": key,
         "folder": folder,
         "value": best_value,
-        "parameter": next(iter(spec.grid), None),
+        "parameter": next(iter(spec.grid), "").removeprefix(MODEL_PREFIX) or None,
         "sweep": sweep,
         "merge_seconds": seconds,
         "grid_merge_seconds": merge_seconds,

@@ -370,7 +370,8 @@ def _one_search(
 
 def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
     """BMM over each anchor, data-free and data-assisted, λ/s from ``mergekit-bmm-search``."""
-    cells = [(anchor, setting) for anchor in config.search.anchors for setting in config.search.settings]
+    # setting-major: every data-free cell first (they need no statistics)
+    cells = [(anchor, setting) for setting in config.search.settings for anchor in config.search.anchors]
     runtime = results.setdefault("bmm_runtime", {})
     for anchor, setting in tqdm(cells, desc="bmm searches", leave=False):
         outcome = _one_search(config, cache_dir, art, anchor, setting, "bo")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,26 +27,29 @@ from mergekit_bmm.errors import ConfigError
 SETTING_GRAM = {"data_free": "data_free", "data_assisted": "activations"}
 
 
-def _command(name: str) -> list[str]:
-    """The console script next to this interpreter (the one the package installed)."""
-    script = Path(sys.executable).with_name(name)
-    return [str(script)] if script.is_file() else [name]
+def _run(command: str, args: list[str], log: Path) -> None:
+    """Run one of the project's console commands in this process (no interpreter start-up).
 
+    ``command`` is ``mergekit-bmm-stats`` or ``mergekit-bmm-search``: exactly the click
+    command a user runs, called with the same arguments; its one-line error becomes ours.
+    """
+    import contextlib
 
-def _run(command: list[str], log: Path) -> None:
+    from mergekit_bmm.cli.search import main as search_main
+    from mergekit_bmm.cli.stats_command import main as stats_main
+
+    entry = {"mergekit-bmm-stats": stats_main, "mergekit-bmm-search": search_main}[command]
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
     with open(log, "a", encoding="utf-8") as handle:
-        handle.write(f"\n$ {' '.join(command)}\n")
-        handle.flush()
-        result = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
-    if result.returncode != 0:
-        tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
-        raise ConfigError(
-            f"`{' '.join(command[:2])} ...` failed (exit {result.returncode}): {' | '.join(tail)}"
-        )
+        handle.write(f"\n$ {command} {' '.join(args)}\n")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    with contextlib.redirect_stderr(sys.stdout):  # progress bars and errors go to the run's log
+        try:
+            entry.main(args=args, prog_name=command, standalone_mode=False)
+        except SystemExit as stop:
+            if stop.code not in (0, None):
+                raise ConfigError(f"`{command} {' '.join(args[:1])} ...` failed (exit {stop.code})") from None
 
 
 def collect_stats(
@@ -79,8 +81,7 @@ def collect_stats(
     config_path.write_text(yaml.safe_dump(stats_yml, sort_keys=False), encoding="utf-8")
     started = time.time()
     _run(
-        [*_command("mergekit-bmm-stats"), str(config_path), "--out", str(folder)],
-        folder.with_name(folder.name + ".log"),
+        "mergekit-bmm-stats", [str(config_path), "--out", str(folder)], folder.with_name(folder.name + ".log")
     )
     seconds = round(time.time() - started, 1)
     write_json(record, {"seconds": seconds, "stats_yml": stats_yml})
@@ -140,17 +141,8 @@ def run_search(config: dict[str, Any], folder: Path, threads: int) -> dict[str, 
         summary = read_json(summary_path)
         finished = summary.get("status") == "finished" and (folder / "best.yml").is_file()
     if not finished:
-        command = [
-            *_command("mergekit-bmm-search"),
-            str(config_path),
-            "--out",
-            str(folder),
-            "--device",
-            "cpu",
-            "-j",
-            str(threads),
-        ]
-        _run(command, folder.with_name(folder.name + ".log"))
+        args = [str(config_path), "--out", str(folder), "--device", "cpu", "-j", str(threads)]
+        _run("mergekit-bmm-search", args, folder.with_name(folder.name + ".log"))
     return read_search(folder)
 
 
