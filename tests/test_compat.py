@@ -50,7 +50,7 @@ def test_patch_is_applied_exactly_when_the_bug_is_present():
     assert (original is not MergePlanner.plan_tensor) == ("optional_alias_check" in compat.APPLIED)
 
 
-@pytest.mark.parametrize("method", ["task_arithmetic", "bmm"])
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties", "tsv", "iso_c", "iso_cts", "wudi", "bmm"])
 def test_bert_merge_runs_and_passes_position_ids_through(tiny_bert, tmp_path, method):
     merged = merge(tiny_bert, method, tmp_path / method)
     base = load_weights(tiny_bert.base)
