@@ -305,4 +305,6 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
 
     again = run_cli(phase2, tmp_path)  # every cell is cached: nothing is merged or searched again
     assert again.exit_code == 0, again.output
-    assert json.loads((tmp_path / "results" / "smoke" / "results.json").read_text())["rows"] == results["rows"]
+    assert (
+        json.loads((tmp_path / "results" / "smoke" / "results.json").read_text())["rows"] == results["rows"]
+    )

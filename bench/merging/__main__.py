@@ -88,14 +88,22 @@ def score(
     from mergekit_bmm.errors import ConfigError
 
     try:
-        name = load_config(config).name
+        run_config = load_config(config)
+        name = run_config.name
         manifest_path = Path(cache_dir) / "runs" / name / "manifest.json"
         if not manifest_path.is_file():
             raise ConfigError(
                 f"no finished run {name!r} in {cache_dir}; run `python -m bench.merging run` first"
             )
+        from bench.merging.pipeline import limits
+
         scores = score_folder(
-            read_json(manifest_path), model.resolve(), list(splits), list(tasks) or None, cache_dir
+            read_json(manifest_path),
+            model.resolve(),
+            list(splits),
+            list(tasks) or None,
+            cache_dir,
+            limits(run_config),
         )
     except BMMError as error:
         click.echo(one_line(error), err=True)

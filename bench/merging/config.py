@@ -215,6 +215,15 @@ class RunConfig(_Strict):
     ablation: AblationSpec = Field(default_factory=AblationSpec)
     language: LanguageSpec = Field(default_factory=LanguageSpec)
     niceness: int = Field(default=10, ge=0, le=19, description="the run lowers its CPU priority to this")
+    threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch threads for merging and scoring (default: finetune.threads); 1 on a busy machine",
+    )
+
+    @property
+    def work_threads(self) -> int:
+        return self.threads or self.finetune.threads
 
     @model_validator(mode="after")
     def _unique_names(self) -> RunConfig:

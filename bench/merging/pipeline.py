@@ -98,7 +98,7 @@ def run_benchmark(
     import torch
 
     lower_priority(config.niceness)
-    torch.set_num_threads(config.finetune.threads)
+    torch.set_num_threads(config.work_threads)
     cache_dir, results_dir = Path(cache_dir).resolve(), Path(results_dir).resolve()
     stop = STAGES.index(until)
     art = Artifacts()
@@ -115,7 +115,7 @@ def run_benchmark(
     art.encoder_fingerprint = record["fingerprint"]
     art.records["encoder"] = record
     say(f"encoder   {config.encoder.name} -> {art.encoder} ({'cached' if cached else 'copied'})")
-    encoder = EncoderHandle(art.encoder, config.finetune.threads)
+    encoder = EncoderHandle(art.encoder, config.work_threads)
     if stop >= STAGES.index("heads"):
         _heads(config, cache_dir, art, encoder)
     if stop >= STAGES.index("experts"):
@@ -129,10 +129,12 @@ def run_benchmark(
     write_manifest(config, cache_dir, art)
     if stop >= STAGES.index("anchors") and config.anchors:
         _anchors(config, cache_dir, art, encoder, results)
-    if stop >= STAGES.index("bmm") and config.search.anchors:
-        _bmm(config, cache_dir, art, results)
-    if stop >= STAGES.index("ablation") and config.ablation.anchor:
-        _ablation(config, cache_dir, art, results)
+    # data-free searches, then the ablation (it reuses the BO search of its cell), then data-assisted
+    for setting in config.search.settings:
+        if stop >= STAGES.index("bmm") and config.search.anchors:
+            _bmm(config, cache_dir, art, results, setting)
+        if setting == config.ablation.setting and stop >= STAGES.index("ablation") and config.ablation.anchor:
+            _ablation(config, cache_dir, art, results)
     if stop >= STAGES.index("language") and config.language.enabled:
         from bench.merging.language.track import run_language_track
 
@@ -215,7 +217,7 @@ def _scores(config: RunConfig, cache_dir: Path, art: Artifacts, encoder: Encoder
         path = art.experts[task.name]
         own = score_model(
             art.records[f"expert/{task.name}"]["fingerprint"],
-            lambda path=path: load_encoder(path, config.finetune.threads),
+            lambda path=path: load_encoder(path, config.work_threads),
             [(task, "validation"), (task, "test")],
             config.max_length,
             config.eval_batch_size,
@@ -265,7 +267,10 @@ def _tune(spec: AnchorSpec, config: RunConfig, cache_dir: Path, art: Artifacts, 
     final = merge_and_score(
         tuned["recipe"], [(t, s) for t in tasks for s in ("validation", "test")], tuned["folder"]
     )
-    hyper = {tuned["parameter"] or "parameters": tuned["value"], "validation_sweep": tuned["sweep"]}
+    if tuned["parameter"]:
+        hyper = {tuned["parameter"]: tuned["value"], "validation_sweep": tuned["sweep"]}
+    else:  # nothing to tune: the method's own settings
+        hyper = {**spec.parameters, **spec.model_parameters, "validation_sweep": tuned["sweep"]}
     report.add_row(results, spec.name, "anchor", final["scores"], hyper, budget=len(tuned["sweep"]))
     art.anchors[spec.name] = tuned["folder"]
     results.setdefault("anchor_runtime", {})[spec.name] = {
@@ -350,7 +355,7 @@ def _one_search(
     best_dir = outcome["best_dir"]
     scores = score_model(
         key,
-        lambda: load_encoder(best_dir, config.finetune.threads),
+        lambda: load_encoder(best_dir, config.work_threads),
         [(t, s) for t in tasks for s in ("validation", "test")],
         config.max_length,
         config.eval_batch_size,
@@ -368,10 +373,9 @@ def _one_search(
     return outcome
 
 
-def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
-    """BMM over each anchor, data-free and data-assisted, λ/s from ``mergekit-bmm-search``."""
-    # setting-major: every data-free cell first (they need no statistics)
-    cells = [(anchor, setting) for setting in config.search.settings for anchor in config.search.anchors]
+def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: str) -> None:
+    """BMM over each anchor in one setting, λ/s from ``mergekit-bmm-search``."""
+    cells = [(anchor, setting) for anchor in config.search.anchors]
     runtime = results.setdefault("bmm_runtime", {})
     for anchor, setting in tqdm(cells, desc="bmm searches", leave=False):
         outcome = _one_search(config, cache_dir, art, anchor, setting, "bo")
@@ -440,7 +444,7 @@ def _merge_and_score(
             path = run_mergekit(recipe, out)
             merge_seconds = round(time.time() - started, 1)
         write_json(record_path, {"recipe": recipe, "key": key, "merge_seconds": merge_seconds})
-        return load_encoder(path, config.finetune.threads)
+        return load_encoder(path, config.work_threads)
 
     scores = score_model(
         key, load, jobs, config.max_length, config.eval_batch_size, cache, "merge", limits(config)
@@ -473,9 +477,17 @@ def tasks_from_manifest(manifest: dict[str, Any]) -> dict[str, ScoredTask]:
 
 
 def score_folder(
-    manifest: dict[str, Any], model_dir: Path, splits: list[str], tasks: list[str] | None, cache_dir: Path
+    manifest: dict[str, Any],
+    model_dir: Path,
+    splits: list[str],
+    tasks: list[str] | None,
+    cache_dir: Path,
+    split_limits: dict[str, int | None] | None = None,
 ) -> dict[tuple[str, str], float]:
-    """Scores of any encoder folder (a merge, an expert) with the run's fixed heads (cached)."""
+    """Scores of any encoder folder (a merge, an expert) with the run's fixed heads (cached).
+
+    ``split_limits`` (the run's ``evaluation`` subsets) makes them comparable with the table.
+    """
     from mergekit_bmm.fingerprint import model_fingerprint
 
     known = tasks_from_manifest(manifest)
@@ -492,6 +504,7 @@ def score_folder(
         manifest["eval_batch_size"],
         ScoreCache(cache_dir),
         model_dir.name,
+        split_limits,
     )
 
 
