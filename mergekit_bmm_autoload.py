@@ -9,6 +9,10 @@ hook that runs ``import mergekit_bmm`` right after ``mergekit.merge_methods`` ha
 finished executing, and installs the model-card hook (``mergekit_bmm.card_hook``) right
 after ``mergekit.merge`` has (the registration happens while ``mergekit.merge`` is still
 importing, too early to patch it). Set ``MERGEKIT_BMM_NO_AUTOLOAD=1`` to switch it off.
+
+It also re-applies the plugin's compatibility patches (``mergekit_bmm.compat``) once
+``mergekit.plan`` has finished executing: when a program imports ``mergekit.plan`` first,
+the plugin is registered while that module is still half-loaded and cannot be patched yet.
 """
 
 from __future__ import annotations
@@ -20,19 +24,28 @@ import sys
 
 _TRIGGER = "mergekit.merge_methods"
 _CARD_TRIGGER = "mergekit.merge"
+_PLAN = "mergekit.plan"
 
 
 class _LoaderWrapper(importlib.abc.Loader):
     """Delegate loading to mergekit's own loader, then import the plugin."""
 
-    def __init__(self, loader: importlib.abc.Loader) -> None:
+    def __init__(self, loader: importlib.abc.Loader, name: str = _TRIGGER) -> None:
         self._loader = loader
+        self._name = name
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
+        if self._name == _PLAN:
+            if "mergekit_bmm.compat" in sys.modules:  # the plugin asked for a deferred patch
+                try:
+                    sys.modules["mergekit_bmm.compat"].apply()
+                except Exception as error:
+                    print(f"mergekit-bmm: could not apply its mergekit patches: {error}", file=sys.stderr)
+            return
         try:
             import mergekit_bmm  # noqa: F401  (registers the methods)
             from mergekit_bmm.errors import install_excepthook
@@ -50,10 +63,11 @@ class _LoaderWrapper(importlib.abc.Loader):
 
 
 class _RegistryFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the loaders of ``mergekit.merge_methods`` and ``mergekit.merge`` once."""
+    """Finds nothing itself; wraps the loaders of ``mergekit.merge_methods``, ``mergekit.merge``
+    and ``mergekit.plan`` once each."""
 
     def __init__(self) -> None:
-        self._pending = {_TRIGGER, _CARD_TRIGGER}
+        self._pending = {_TRIGGER, _CARD_TRIGGER, _PLAN}
 
     def find_spec(self, fullname, path, target=None):
         if fullname not in self._pending:
@@ -63,7 +77,7 @@ class _RegistryFinder(importlib.abc.MetaPathFinder):
             sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
-            spec.loader = _LoaderWrapper(spec.loader)
+            spec.loader = _LoaderWrapper(spec.loader, fullname)
         return spec
 
 

@@ -22,7 +22,14 @@ def plugin_methods() -> tuple[MergeMethod, ...]:
 
 
 def register_all() -> tuple[str, ...]:
-    """Register every plugin method not yet known to mergekit; return all their names."""
+    """Register every plugin method not yet known to mergekit; return all their names.
+
+    Also applies the compatibility patches for known mergekit bugs (``compat``), which
+    every merge the plugin takes part in needs.
+    """
+    from mergekit_bmm import compat
+
+    compat.apply()
     names = []
     for method in plugin_methods():
         name = method.spec.name

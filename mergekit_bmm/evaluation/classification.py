@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -33,8 +34,13 @@ __all__ = [
     "accuracy",
     "load_examples",
     "load_head",
+    "pool",
+    "pooled_features",
+    "save_head",
     "task_logits",
 ]
+
+POOLINGS = ("mean", "cls")
 
 SUBSET_SEED = 0
 
@@ -47,6 +53,46 @@ class Head:
     bias: torch.Tensor  # [classes], float32
     pooling: str
     labels: tuple[str, ...]
+
+    @property
+    def num_classes(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weight.shape[1]
+
+    def logits(self, pooled: torch.Tensor) -> torch.Tensor:
+        """``pooled @ weight.T + bias`` in float32."""
+        return pooled.float() @ self.weight.T + self.bias
+
+
+def save_head(
+    path: str | Path,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    labels: Sequence[str],
+    pooling: str = "mean",
+) -> Path:
+    """Write a head file (float32 tensors plus ``pooling``/``labels`` metadata)."""
+    from safetensors.torch import save_file
+
+    weight = torch.as_tensor(weight).detach().to(torch.float32).contiguous()
+    bias = torch.as_tensor(bias).detach().to(torch.float32).contiguous()
+    if weight.ndim != 2 or bias.shape != (weight.shape[0],) or len(labels) != weight.shape[0]:
+        raise ConfigError(
+            f"head {path}: weight {tuple(weight.shape)}, bias {tuple(bias.shape)} and {len(labels)} labels "
+            "do not fit together; expected weight [classes, hidden], bias [classes], one label per class"
+        )
+    if pooling not in POOLINGS:
+        raise ConfigError(f"head {path}: pooling {pooling!r} is not one of {POOLINGS}")
+    path = Path(path)
+    save_file(
+        {"weight": weight, "bias": bias},
+        str(path),
+        metadata={"pooling": pooling, "labels": json.dumps([str(label) for label in labels])},
+    )
+    return path
 
 
 def _stamp(path: str) -> int:
@@ -102,8 +148,11 @@ def _subset(count: int, limit: int | float | None) -> list[int]:
     return sorted(random.Random(SUBSET_SEED).sample(range(count), size))
 
 
-def load_examples(task: ClassificationTask, num_classes: int | None = None) -> tuple[list[str], torch.Tensor]:
+def load_examples(
+    task: ClassificationTask | dict[str, Any], num_classes: int | None = None
+) -> tuple[list[str], torch.Tensor]:
     """Texts and labels of a task's data file (its split; its fixed ``limit`` subset)."""
+    task = ClassificationTask.model_validate(task)
     texts, labels = _load_examples(
         task.data, _stamp(task.data), task.split, task.limit, task.text_field, task.label_field, num_classes
     )
@@ -158,7 +207,8 @@ def _load_examples(
     return [texts[i] for i in keep], torch.tensor([labels[i] for i in keep], dtype=torch.long)
 
 
-def _pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
+def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
+    """Mean over non-padding tokens, or the first token (``cls``), in float32."""
     hidden = hidden.float()
     if pooling == "cls":
         return hidden[:, 0]
@@ -175,17 +225,27 @@ def _last_hidden_state(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tens
 
 
 @torch.inference_mode()
-def task_logits(
-    model: Any, tokenizer: Any, task: ClassificationTask, max_length: int = 128, batch_size: int = 32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits ``[N, C]`` (float32, CPU) and labels ``[N]`` of a task on a loaded encoder.
+def pooled_features(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str],
+    max_length: int = 128,
+    batch_size: int = 32,
+    pooling: str = "mean",
+    progress: str | None = None,
+) -> torch.Tensor:
+    """``[N, hidden]`` pooled last hidden states (float32, CPU), in the order of ``texts``.
 
-    Examples are batched by length (less padding) and returned in data order; padding is
-    on the right so ``cls`` pooling reads the first real token.
+    Texts are batched by token length (less padding); padding is on the right so ``cls``
+    pooling reads the first real token. Each row only sees its own tokens, so the result
+    does not depend on the batching.
     """
-    head = load_head(task.head)
-    texts, labels = load_examples(task, head.weight.shape[0])
+    from tqdm.auto import tqdm
+
+    texts = list(texts)
     device = next(model.parameters()).device
+    was_training = getattr(model, "training", False)
+    model.eval()
     pad_side, pad_token = tokenizer.padding_side, tokenizer.pad_token
     tokenizer.padding_side = "right"
     if tokenizer.pad_token is None:
@@ -193,8 +253,9 @@ def task_logits(
     try:
         lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]
         order = sorted(range(len(texts)), key=lambda i: lengths[i])
-        pooled = torch.empty(len(texts), head.weight.shape[1])
-        for start in range(0, len(order), batch_size):
+        pooled: torch.Tensor | None = None
+        starts = range(0, len(order), batch_size)
+        for start in tqdm(starts, desc=progress, disable=progress is None, leave=False):
             chunk = order[start : start + batch_size]
             batch = tokenizer(
                 [texts[i] for i in chunk],
@@ -209,15 +270,38 @@ def task_logits(
                 if k in ("input_ids", "attention_mask", "token_type_ids")
             }
             hidden = _last_hidden_state(model, batch)
-            if hidden.shape[-1] != head.weight.shape[1]:
-                raise TensorInputError(
-                    f"head {task.head} expects hidden size {head.weight.shape[1]} but the model's is "
-                    f"{hidden.shape[-1]}; use the head made for this encoder"
-                )
-            pooled[chunk] = _pool(hidden, batch["attention_mask"], head.pooling).cpu()
+            if pooled is None:
+                pooled = torch.empty(len(texts), hidden.shape[-1])
+            pooled[chunk] = pool(hidden, batch["attention_mask"], pooling).cpu()
     finally:
         tokenizer.padding_side, tokenizer.pad_token = pad_side, pad_token
-    return pooled @ head.weight.T + head.bias, labels
+        model.train(was_training)
+    assert pooled is not None
+    return pooled
+
+
+def task_logits(
+    model: Any,
+    tokenizer: Any,
+    task: ClassificationTask | dict[str, Any],
+    max_length: int = 128,
+    batch_size: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``[N, C]`` (float32, CPU) and labels ``[N]`` of a task on a loaded encoder.
+
+    Examples are returned in data order (see :func:`pooled_features`).
+    """
+    task = ClassificationTask.model_validate(task)
+    head = load_head(task.head)
+    texts, labels = load_examples(task, head.weight.shape[0])
+    hidden_size = getattr(getattr(model, "config", None), "hidden_size", head.hidden_size)
+    if hidden_size != head.hidden_size:
+        raise TensorInputError(
+            f"head {task.head} expects hidden size {head.hidden_size} but the model's is "
+            f"{hidden_size}; use the head made for this encoder"
+        )
+    features = pooled_features(model, tokenizer, texts, max_length, batch_size, head.pooling)
+    return head.logits(features), labels
 
 
 def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:

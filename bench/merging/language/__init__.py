@@ -1,0 +1,1 @@
+"""The language track: SmolLM2-135M-Instruct experts on multiple-choice tasks, scored by lm-eval."""

@@ -1,0 +1,176 @@
+"""The language track's phase-1 stages: model, tasks, experts, lm-eval scores, TA merges.
+
+Scores: the pretrained model on every task (validation and test), each expert on its
+own task ("Indiv."), and Task Arithmetic over all experts at a few weights on validation
+(the best also on test) — the dynamic range the merge methods are judged in.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from bench.merging.cache import ScoreCache, write_json
+from bench.merging.config import RunConfig
+from bench.merging.language.convert import prepare_language_model
+from bench.merging.language.lm_eval_runner import lm_score_key, score_lm, summarize
+from bench.merging.language.lm_finetune import build_lm_expert
+from bench.merging.language.mc_tasks import build_mc_task, write_lm_eval_yamls
+from bench.merging.merging import recipe_key, run_mergekit, task_arithmetic_recipe
+from bench.merging.scoring import mean
+
+
+def say(message: str) -> None:
+    tqdm.write(message)
+
+
+def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
+    spec = config.language
+    cache = ScoreCache(cache_dir)
+    timings: dict[str, float] = {}
+    model_dir, record, cached = prepare_language_model(spec, cache_dir)
+    model_fp = record["fingerprint"]
+    timings["convert_seconds"] = record["seconds"]
+    state = "cached" if cached else "converted"
+    say(f"LM        {spec.name} -> {model_dir} ({state} in {record['seconds']:.0f} s)")
+    tasks = []
+    for task_spec in spec.tasks:
+        task, cached = build_mc_task(task_spec, cache_dir, config.seed)
+        tasks.append(task)
+        state = "cached" if cached else "built"
+        say(f"LM data   {task.name:18s} {task.counts} choices {list(task.choices)} {state}")
+    include = write_lm_eval_yamls(tasks, cache_dir / "runs" / config.name / "lm_eval_tasks")
+    limit, batch = spec.eval_limit, spec.eval_batch_size
+    out: dict[str, Any] = {
+        "model": spec.name,
+        "tasks": [t.name for t in tasks],
+        "counts": {t.name: t.counts for t in tasks},
+        "lm_eval_include_path": str(include),
+        "eval_limit": limit,
+        "finetune": spec.finetune.model_dump(),
+    }
+
+    jobs = [(t, split) for t in tasks for split in ("validation", "test")]
+    pretrained, seconds = score_lm(model_fp, model_dir, jobs, include, cache, batch, limit)
+    timings["pretrained_lm_eval_seconds"] = round(seconds, 1)
+    out["pretrained"] = summarize(pretrained)
+
+    experts, out["experts"], out["indiv"] = {}, {}, {}
+    for task in tqdm(tasks, desc="LM experts", leave=False):
+        path, record, cached = build_lm_expert(
+            task, model_dir, model_fp, spec.finetune, spec.max_length, cache_dir
+        )
+        experts[task.name] = path
+        info = record["info"]
+        out["experts"][task.name] = {
+            k: info[k] for k in ("steps", "epochs", "train_seconds", "loss_curve", "bytes")
+        }
+        say(
+            f"LM expert {task.name:18s} {info['steps']} steps, loss {info['loss_curve'][0]:.3f} -> "
+            f"{info['loss_curve'][-1]:.3f}, {info['train_seconds']:.0f} s {'(cached)' if cached else ''}"
+        )
+        own, _ = score_lm(
+            record["fingerprint"], path, [(task, "validation"), (task, "test")], include, cache, batch, limit
+        )
+        out["indiv"][task.name] = summarize(own)[task.name]
+
+    sweep, best = {}, None
+    work = cache_dir / "language" / "merges" / "work"
+    for weight in spec.task_arithmetic_weights:
+        recipe = task_arithmetic_recipe(model_dir, [experts[t.name] for t in tasks], weight)
+        scores = _merge_and_score(
+            recipe, [(t, "validation") for t in tasks], include, cache, batch, limit, work, timings
+        )
+        sweep[str(weight)] = round(mean([scores[(t.name, "validation")] for t in tasks]), 4)
+        if best is None or sweep[str(weight)] > sweep[str(best)]:
+            best = weight
+        say(f"LM task_arithmetic weight {weight:<4g} validation avg {sweep[str(weight)]:.4f}")
+    recipe = task_arithmetic_recipe(model_dir, [experts[t.name] for t in tasks], best)
+    jobs = [(t, s) for t in tasks for s in ("validation", "test")]
+    scores = _merge_and_score(recipe, jobs, include, cache, batch, limit, work, timings)
+    out["task_arithmetic"] = {"weight": best, "validation_sweep": sweep, "scores": summarize(scores)}
+    if work.exists():
+        shutil.rmtree(work)
+    if spec.search.budget > 0:
+        out["bmm"] = _bmm_over_task_arithmetic(
+            config, cache_dir, model_dir, recipe, [experts[t.name] for t in tasks], tasks, include, timings
+        )
+    out["timings"] = timings
+    write_json(
+        cache_dir / "runs" / config.name / "language.json",
+        {
+            "base": str(model_dir),
+            "experts": {k: str(v) for k, v in experts.items()},
+            "lm_eval_include_path": str(include),
+            "tasks": {
+                t.name: {"validation": t.lm_eval_name("validation"), "test": t.lm_eval_name("test")}
+                for t in tasks
+            },
+        },
+    )
+    return out
+
+
+def _bmm_over_task_arithmetic(
+    config: RunConfig, cache_dir: Path, model_dir: Path, ta_recipe, experts, tasks, include, timings
+) -> dict[str, Any]:
+    """Data-free BMM over the tuned TA merge, λ/s from ``mergekit-bmm-search`` with lm-eval."""
+    from bench.merging.anchors import materialise
+    from bench.merging.cache import stable_key
+    from bench.merging.searches import bmm_template, run_search, search_config
+
+    spec = config.language
+    cache = ScoreCache(cache_dir)
+    limit, batch = spec.eval_limit, spec.eval_batch_size
+    anchor_dir = (
+        cache_dir / "language" / "anchors" / f"task_arithmetic-{recipe_key(ta_recipe).split(':')[1][:12]}"
+    )
+    anchor_dir.parent.mkdir(parents=True, exist_ok=True)
+    anchor_dir, _ = materialise(ta_recipe, anchor_dir)
+    template = bmm_template(model_dir, experts, anchor_dir, "data_free", None)
+    evaluator = {
+        "type": "lm_eval",
+        "tasks": [{"name": t.lm_eval_name("validation"), "metric": "acc"} for t in tasks],
+        "include_path": str(include),
+        "limit": limit,
+        "batch_size": batch,
+        "dtype": "float32",
+    }
+    search = search_config(spec.search, template, evaluator, "bo")
+    key = stable_key({k: v for k, v in search.items() if k != "budget"})
+    folder = cache_dir / "searches" / config.name / f"language-task_arithmetic-data_free-{key}"
+    say(f"LM bmm    search over task_arithmetic (K={spec.search.budget}) -> {folder}")
+    outcome = run_search(search, folder, spec.search.threads)
+    import yaml
+
+    best = yaml.safe_load(outcome["best_yml"].read_text(encoding="utf-8"))
+    jobs = [(t, s) for t in tasks for s in ("validation", "test")]
+    scores, _ = score_lm(recipe_key(best), outcome["best_dir"], jobs, include, cache, batch, limit)
+    timings["bmm_search_merge_seconds"] = outcome["times"]["merge"]
+    timings["bmm_search_evaluate_seconds"] = outcome["times"]["evaluate"]
+    timings["bmm_search_surrogate_seconds"] = outcome["times"]["surrogate"]
+    return {
+        "anchor": "task_arithmetic",
+        "setting": "data_free",
+        "budget": outcome["trials"],
+        "best_values": outcome["best_values"],
+        "search_validation": outcome["best_validation"],
+        "scores": summarize(scores),
+        "search": str(folder),
+    }
+
+
+def _merge_and_score(recipe, jobs, include, cache, batch, limit, work: Path, timings) -> dict:
+    key = recipe_key(recipe)
+    out = work / key.split(":")[1]
+    missing = [job for job in jobs if cache.get(lm_score_key(key, *job, limit)) is None]
+    if missing and not out.exists():
+        started = time.time()
+        run_mergekit(recipe, out)
+        timings["task_arithmetic_merge_seconds"] = round(time.time() - started, 1)
+    scores, _ = score_lm(key, out, jobs, include, cache, batch, limit)
+    return scores

@@ -1,0 +1,64 @@
+"""Merges through mergekit itself (in process), so the benchmark never re-implements one.
+
+A merge is identified by its recipe with every model path replaced by that folder's
+weights fingerprint: the same merge of the same checkpoints has the same key wherever
+the cache lives, and its scores are reused without merging again.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.merging.cache import stable_key
+from mergekit_bmm.fingerprint import model_fingerprint
+
+
+def task_arithmetic_recipe(base: Path, experts: Sequence[Path], weight: float) -> dict[str, Any]:
+    return {
+        "merge_method": "task_arithmetic",
+        "base_model": str(base),
+        "models": [{"model": str(path), "parameters": {"weight": weight}} for path in experts],
+        "dtype": "float32",
+    }
+
+
+def _fingerprinted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _fingerprinted(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_fingerprinted(item) for item in value]
+    if isinstance(value, str) and value.startswith("/") and Path(value, "config.json").is_file():
+        return model_fingerprint(value)
+    return value
+
+
+def recipe_key(recipe: dict[str, Any]) -> str:
+    """``merge:<hash>`` of the recipe with model folders replaced by their fingerprints."""
+    import importlib.metadata
+
+    version = importlib.metadata.version("mergekit")
+    return "merge:" + stable_key({"recipe": _fingerprinted(recipe), "mergekit": version}, 24)
+
+
+def run_mergekit(recipe: dict[str, Any], out_dir: Path) -> Path:
+    """Merge with ``mergekit.merge.run_merge`` into ``out_dir`` (replaced if present)."""
+    from mergekit.config import MergeConfiguration
+    from mergekit.io.tasks import LoaderCache
+    from mergekit.merge import run_merge
+    from mergekit.options import MergeOptions
+
+    import mergekit_bmm  # noqa: F401  (registers bmm, applies the compatibility patches)
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    LoaderCache().loaders.clear()  # mergekit never invalidates its loaders (stale data otherwise)
+    config = MergeConfiguration.model_validate(copy.deepcopy(recipe))
+    options = MergeOptions(quiet=True, copy_tokenizer=True, write_model_card=False, lazy_unpickle=False)
+    run_merge(config, str(out_dir), options)
+    LoaderCache().loaders.clear()
+    return out_dir

@@ -1,0 +1,558 @@
+"""The benchmark's stages, in order, each cached and resumable.
+
+``run_benchmark`` builds what is missing and reuses what is cached: task data, the
+pretrained encoder, heads, experts, scores of the pretrained encoder and the experts
+("Indiv."), Task Arithmetic merges (weight chosen on validation, reported on test) and
+the language track. It writes ``results.json``, ``results.md`` and a per-task PNG under
+the results folder, and ``<cache>/runs/<name>/manifest.json`` (every path a later stage
+or a search needs: base, experts, heads, task data, an evaluator block).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tqdm.auto import tqdm
+
+from bench.merging import report
+from bench.merging.anchors import materialise, tune_anchor
+from bench.merging.cache import ScoreCache, read_json, stable_key, write_json
+from bench.merging.config import AnchorSpec, RunConfig
+from bench.merging.encoder import load_encoder, prepare_encoder
+from bench.merging.finetune import build_expert
+from bench.merging.heads import build_head
+from bench.merging.merging import recipe_key, run_mergekit
+from bench.merging.scoring import ScoredTask, mean, score_model
+from bench.merging.searches import bmm_template, collect_stats, run_search, search_config
+from bench.merging.tasks import build_task_data
+from mergekit_bmm.errors import ConfigError
+
+STAGES = ("data", "heads", "experts", "scores", "task_arithmetic", "anchors", "bmm", "ablation", "language")
+
+
+def say(message: str) -> None:
+    tqdm.write(message)
+
+
+@dataclass
+class Artifacts:
+    """What the stages produced, by task name."""
+
+    encoder: Path | None = None
+    encoder_fingerprint: str = ""
+    tasks: dict[str, ScoredTask] = field(default_factory=dict)
+    experts: dict[str, Path] = field(default_factory=dict)
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    anchors: dict[str, Path] = field(default_factory=dict)
+    stats: Path | None = None
+
+
+class EncoderHandle:
+    """Loads the pretrained encoder at most once, and only when a stage needs it."""
+
+    def __init__(self, folder: Path, threads: int) -> None:
+        self.folder, self.threads = folder, threads
+        self._loaded = None
+
+    def __call__(self):
+        if self._loaded is None:
+            self._loaded = load_encoder(self.folder, self.threads)
+        return self._loaded
+
+
+def lower_priority(niceness: int) -> None:
+    """Share the machine politely: raise this process's niceness to ``niceness``."""
+    try:
+        current = os.nice(0)
+        if current < niceness:
+            os.nice(niceness - current)
+    except OSError:
+        pass
+
+
+def run_language_only(config: RunConfig, cache_dir: Path, results_dir: Path) -> dict[str, Any]:
+    """Only the language track (it can run beside the encoder track); ``language.json``."""
+    import torch
+
+    from bench.merging.language.track import run_language_track
+
+    lower_priority(config.niceness)
+    torch.set_num_threads(config.language.finetune.threads)
+    language = run_language_track(config, Path(cache_dir).resolve())
+    folder = Path(results_dir).resolve() / config.name
+    write_json(folder / "language.json", language)
+    say(report.language_markdown(language))
+    return language
+
+
+def run_benchmark(
+    config: RunConfig, cache_dir: Path, results_dir: Path, until: str = "language"
+) -> dict[str, Any]:
+    """Run every stage up to ``until``; return the results dictionary (also written)."""
+    import torch
+
+    lower_priority(config.niceness)
+    torch.set_num_threads(config.work_threads)
+    cache_dir, results_dir = Path(cache_dir).resolve(), Path(results_dir).resolve()
+    stop = STAGES.index(until)
+    art = Artifacts()
+    started = time.time()
+    for spec in tqdm(config.tasks, desc="task data", leave=False):
+        data, cached = build_task_data(spec, cache_dir, config.seed)
+        art.tasks[spec.name] = ScoredTask(data=data, head=Path(), head_sha="")
+        say(
+            f"data      {spec.name:18s} {_counts(data.counts)}  {len(data.labels)} classes  "
+            f"{'cached' if cached else 'built'}"
+        )
+    data_seconds = round(time.time() - started, 1)
+    art.encoder, record, cached = prepare_encoder(config.encoder, cache_dir)
+    art.encoder_fingerprint = record["fingerprint"]
+    art.records["encoder"] = record
+    say(f"encoder   {config.encoder.name} -> {art.encoder} ({'cached' if cached else 'copied'})")
+    encoder = EncoderHandle(art.encoder, config.work_threads)
+    if stop >= STAGES.index("heads"):
+        _heads(config, cache_dir, art, encoder)
+    if stop >= STAGES.index("experts"):
+        _experts(config, cache_dir, art)
+    results = report.base_results(config, art)
+    results["timings"]["data_seconds_this_run"] = data_seconds
+    if stop >= STAGES.index("scores"):
+        _scores(config, cache_dir, art, encoder, results)
+    if stop >= STAGES.index("task_arithmetic"):
+        _task_arithmetic(config, cache_dir, art, results)
+    write_manifest(config, cache_dir, art)
+    if stop >= STAGES.index("anchors") and config.anchors:
+        _anchors(config, cache_dir, art, encoder, results)
+    # data-free searches, then the ablation (it reuses the BO search of its cell), then data-assisted
+    for setting in config.search.settings:
+        if stop >= STAGES.index("bmm") and config.search.anchors:
+            _bmm(config, cache_dir, art, results, setting)
+        if setting == config.ablation.setting and stop >= STAGES.index("ablation") and config.ablation.anchor:
+            _ablation(config, cache_dir, art, results)
+    if stop >= STAGES.index("language") and config.language.enabled:
+        from bench.merging.language.track import run_language_track
+
+        results["language"] = run_language_track(config, cache_dir)
+        write_json(results_dir / config.name / "language.json", results["language"])
+    elif (results_dir / config.name / "language.json").is_file() and config.language.enabled:
+        results["language"] = read_json(results_dir / config.name / "language.json")
+    results["timings"]["this_run_seconds"] = round(time.time() - started, 1)
+    report.write(results, results_dir / config.name)
+    say(report.markdown(results))
+    return results
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return "/".join(f"{split} {counts[split]}" for split in counts)
+
+
+def _heads(config: RunConfig, cache_dir: Path, art: Artifacts, encoder: EncoderHandle) -> None:
+    for name in tqdm(list(art.tasks), desc="heads", leave=False):
+        task = art.tasks[name]
+        head, record, cached = build_head(
+            task.data,
+            art.encoder,
+            art.encoder_fingerprint,
+            config.head,
+            config.max_length,
+            config.eval_batch_size,
+            cache_dir,
+            encoder,
+        )
+        art.tasks[name] = ScoredTask(data=task.data, head=head, head_sha=record["fingerprint"])
+        art.records[f"head/{name}"] = record
+        info = record["info"]
+        say(
+            f"head      {name:18s} C={info['C']:<6g} validation {info['validation_accuracy']:.4f}  "
+            f"{record['seconds']:.0f} s {'(cached)' if cached else ''}"
+        )
+
+
+def _experts(config: RunConfig, cache_dir: Path, art: Artifacts) -> None:
+    for name in tqdm(list(art.tasks), desc="experts", leave=False):
+        task = art.tasks[name]
+        path, record, cached = build_expert(
+            task.data,
+            task.head,
+            task.head_sha,
+            art.encoder,
+            art.encoder_fingerprint,
+            config.finetune,
+            config.max_length,
+            cache_dir,
+        )
+        art.experts[name] = path
+        art.records[f"expert/{name}"] = record
+        info = record["info"]
+        say(
+            f"expert    {name:18s} {info['steps']} steps, {info['epochs']} epochs, "
+            f"loss {info['loss_curve'][0]:.3f} -> {info['loss_curve'][-1]:.3f}, "
+            f"{info['train_seconds']:.0f} s {'(cached)' if cached else ''}"
+        )
+
+
+def _scores(config: RunConfig, cache_dir: Path, art: Artifacts, encoder: EncoderHandle, results) -> None:
+    cache = ScoreCache(cache_dir)
+    tasks = list(art.tasks.values())
+    jobs = [(task, split) for task in tasks for split in ("validation", "test")]
+    started = time.time()
+    pretrained = score_model(
+        art.encoder_fingerprint,
+        encoder,
+        jobs,
+        config.max_length,
+        config.eval_batch_size,
+        cache,
+        "pretrained",
+        limits(config),
+    )
+    report.add_row(results, "pretrained", "anchor", pretrained, {})
+    for task in tqdm(tasks, desc="score experts", leave=False):
+        path = art.experts[task.name]
+        own = score_model(
+            art.records[f"expert/{task.name}"]["fingerprint"],
+            lambda path=path: load_encoder(path, config.work_threads),
+            [(task, "validation"), (task, "test")],
+            config.max_length,
+            config.eval_batch_size,
+            cache,
+            task.name,
+            limits(config),
+        )
+        results["indiv"][task.name] = own[(task.name, "test")]
+        results["indiv_validation"][task.name] = own[(task.name, "validation")]
+    results["timings"]["scores_seconds_this_run"] = round(time.time() - started, 1)
+
+
+def limits(config: RunConfig) -> dict[str, int | None]:
+    """Fixed subset sizes per split (the same for every model, the search included)."""
+    return {"validation": config.evaluation.validation_limit, "test": config.evaluation.test_limit}
+
+
+def task_arithmetic_spec(config: RunConfig) -> AnchorSpec:
+    return AnchorSpec(
+        name="task_arithmetic",
+        method="task_arithmetic",
+        grid={"model.weight": list(config.task_arithmetic.weights)},
+    )
+
+
+def _tune(spec: AnchorSpec, config: RunConfig, cache_dir: Path, art: Artifacts, results) -> dict[str, Any]:
+    """One anchor: its grid on validation, the best merge kept and scored on test; adds its row."""
+    cache = ScoreCache(cache_dir)
+    tasks = list(art.tasks.values())
+    experts = [art.experts[task.name] for task in tasks]
+    work = cache_dir / "merges" / "work"
+
+    def merge_and_score(recipe, jobs, folder=None):
+        return _merge_and_score(recipe, jobs, config, cache, cache_dir, work, folder)
+
+    started = time.time()
+    tuned = tune_anchor(
+        spec,
+        art.encoder,
+        experts,
+        art.stats,
+        merge_and_score,
+        [(t, "validation") for t in tasks],
+        cache_dir,
+        config.name,
+    )
+    final = merge_and_score(
+        tuned["recipe"], [(t, s) for t in tasks for s in ("validation", "test")], tuned["folder"]
+    )
+    if tuned["parameter"]:
+        hyper = {tuned["parameter"]: tuned["value"], "validation_sweep": tuned["sweep"]}
+    else:  # nothing to tune: the method's own settings
+        hyper = {**spec.parameters, **spec.model_parameters, "validation_sweep": tuned["sweep"]}
+    report.add_row(results, spec.name, "anchor", final["scores"], hyper, budget=len(tuned["sweep"]))
+    art.anchors[spec.name] = tuned["folder"]
+    results.setdefault("anchor_runtime", {})[spec.name] = {
+        "merge_seconds": tuned["merge_seconds"],
+        "grid_points": len(tuned["sweep"]),
+        "grid_merge_seconds": tuned["grid_merge_seconds"],
+        "stage_seconds_this_run": round(time.time() - started, 1),
+    }
+    say(
+        f"anchor    {spec.name:16s} {tuned['parameter']}={tuned['value']} validation "
+        f"{100 * tuned['validation']:.1f}  sweep {tuned['sweep']}  merge {tuned['merge_seconds']} s"
+    )
+    if work.exists():
+        shutil.rmtree(work)
+    return tuned
+
+
+def _task_arithmetic(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
+    """TA over all experts at each weight on validation; the best weight also on test."""
+    tuned = _tune(task_arithmetic_spec(config), config, cache_dir, art, results)
+    results["timings"]["task_arithmetic_merge_seconds"] = tuned["merge_seconds"]
+
+
+def _anchors(config: RunConfig, cache_dir: Path, art: Artifacts, encoder, results) -> None:
+    """Activation statistics (RegMean and data-assisted BMM need them), then every anchor."""
+    _stats(config, cache_dir, art, results)
+    for spec in tqdm(config.anchors, desc="anchors", leave=False):
+        _tune(spec, config, cache_dir, art, results)
+
+
+def _stats(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
+    if art.stats is not None:
+        return
+    names = list(art.tasks)
+    art.stats, seconds = collect_stats(
+        config.stats,
+        {name: art.experts[name] for name in names},
+        {name: art.tasks[name].data.data for name in names},
+        config.max_length,
+        cache_dir,
+        config.name,
+        {name: art.records[f"expert/{name}"]["fingerprint"] for name in names},
+    )
+    results["timings"]["stats_seconds"] = seconds
+    results["stats"] = {
+        "max_samples": config.stats.max_samples,
+        "max_length": config.max_length,
+        "split": "train",
+    }
+    say(f"stats     {config.stats.max_samples} sequences per task -> {art.stats} ({seconds} s)")
+
+
+def _anchor_folder(name: str, art: Artifacts) -> Path | None:
+    if name == "pretrained":
+        return None
+    if name not in art.anchors:
+        raise ConfigError(f"search anchor {name!r} is not a tuned anchor; known: {sorted(art.anchors)}")
+    return art.anchors[name]
+
+
+def _search_folder(config: RunConfig, cache_dir: Path, label: str, search: dict[str, Any]) -> Path:
+    # the budget is left out: a larger budget extends the same search (it resumes)
+    key = stable_key({"search": {k: v for k, v in search.items() if k != "budget"}, "limits": limits(config)})
+    return cache_dir / "searches" / config.name / f"{label}-{key}"
+
+
+def _one_search(
+    config: RunConfig, cache_dir: Path, art: Artifacts, anchor: str, setting: str, strategy: str
+) -> dict[str, Any]:
+    """One ``mergekit-bmm-search``, its best model scored on validation and test."""
+    tasks = list(art.tasks.values())
+    experts = [art.experts[task.name] for task in tasks]
+    if setting == "data_assisted":
+        _stats(config, cache_dir, art, {"timings": {}})
+    template = bmm_template(art.encoder, experts, _anchor_folder(anchor, art), setting, art.stats)
+    search = search_config(config.search, template, evaluator_block(config, art, "validation"), strategy)
+    folder = _search_folder(config, cache_dir, f"{anchor}-{setting}-{strategy}", search)
+    started = time.time()
+    outcome = run_search(search, folder, config.search.threads)
+    recipe = yaml.safe_load(outcome["best_yml"].read_text(encoding="utf-8"))
+    key = recipe_key(recipe)
+    best_dir = outcome["best_dir"]
+    scores = score_model(
+        key,
+        lambda: load_encoder(best_dir, config.work_threads),
+        [(t, s) for t in tasks for s in ("validation", "test")],
+        config.max_length,
+        config.eval_batch_size,
+        ScoreCache(cache_dir),
+        f"{anchor} {setting} {strategy}",
+        limits(config),
+    )
+    validation = mean([scores[(t.name, "validation")] for t in tasks])
+    outcome.update(
+        scores=scores,
+        folder=folder,
+        validation_rescored=validation,
+        seconds_this_run=round(time.time() - started, 1),
+    )
+    return outcome
+
+
+def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: str) -> None:
+    """BMM over each anchor in one setting, λ/s from ``mergekit-bmm-search``."""
+    cells = [(anchor, setting) for anchor in config.search.anchors]
+    runtime = results.setdefault("bmm_runtime", {})
+    for anchor, setting in tqdm(cells, desc="bmm searches", leave=False):
+        outcome = _one_search(config, cache_dir, art, anchor, setting, "bo")
+        hyper = {
+            "best_values": outcome["best_values"],
+            "search_validation": outcome["best_validation"],
+            "search": str(outcome["folder"]),
+        }
+        report.add_row(results, anchor, setting, outcome["scores"], hyper, budget=outcome["trials"])
+        runtime[f"{anchor}/{setting}"] = {
+            "trials": outcome["trials"],
+            "failed": outcome["failed"],
+            **outcome["times"],
+        }
+        say(
+            f"bmm       {anchor:16s} {setting:13s} K={outcome['trials']} search val "
+            f"{100 * outcome['best_validation']:.1f} (rescored {100 * outcome['validation_rescored']:.1f}) "
+            f"test {100 * mean([outcome['scores'][(t, 'test')] for t in art.tasks]):.1f}"
+        )
+
+
+def _ablation(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
+    """Shared-λ grid and random search against BO, same anchor, setting and budget K."""
+    spec = config.ablation
+    rows = []
+    for strategy in tqdm([*spec.strategies, "bo"], desc="ablation", leave=False):
+        outcome = _one_search(config, cache_dir, art, spec.anchor, spec.setting, strategy)
+        rows.append(
+            {
+                "strategy": strategy,
+                "budget": outcome["trials"],
+                "validation": round(outcome["best_validation"], 4),
+                "test": round(mean([outcome["scores"][(t, "test")] for t in art.tasks]), 4),
+                "best_values": outcome["best_values"],
+                "times": outcome["times"],
+                "curve": outcome["curve"],
+            }
+        )
+    results["ablation"] = {"anchor": spec.anchor, "setting": spec.setting, "rows": rows}
+
+
+def _merge_and_score(
+    recipe,
+    jobs,
+    config: RunConfig,
+    cache: ScoreCache,
+    cache_dir: Path,
+    work: Path,
+    folder: Path | None = None,
+):
+    """Scores of a mergekit recipe (merging only if some score is not cached).
+
+    With ``folder`` the merge is kept there (made once, see ``anchors.materialise``).
+    """
+    key = recipe_key(recipe)
+    record_path = cache_dir / "merges" / f"{key.split(':')[1]}.json"
+    merge_seconds = read_json(record_path)["merge_seconds"] if record_path.is_file() else None
+    out = work / key.split(":")[1]
+
+    def load():
+        nonlocal merge_seconds
+        if folder is not None:
+            path, merge_seconds = materialise(recipe, folder)
+        else:
+            started = time.time()
+            path = run_mergekit(recipe, out)
+            merge_seconds = round(time.time() - started, 1)
+        write_json(record_path, {"recipe": recipe, "key": key, "merge_seconds": merge_seconds})
+        return load_encoder(path, config.work_threads)
+
+    scores = score_model(
+        key, load, jobs, config.max_length, config.eval_batch_size, cache, "merge", limits(config)
+    )
+    if out.exists() and not config.task_arithmetic.keep_models:
+        shutil.rmtree(out)
+    if folder is not None and merge_seconds is None:
+        merge_seconds = materialise(recipe, folder)[1]
+    return {"scores": scores, "merge_seconds": merge_seconds, "key": key}
+
+
+def tasks_from_manifest(manifest: dict[str, Any]) -> dict[str, ScoredTask]:
+    """The run's tasks with their heads, as recorded by :func:`write_manifest`."""
+    from bench.merging.tasks import TaskData
+
+    return {
+        name: ScoredTask(
+            data=TaskData(
+                name=name,
+                data=Path(manifest["data"][name]),
+                labels=tuple(manifest["labels"][name]),
+                counts=manifest["counts"][name],
+                sha256=manifest["data_fingerprints"][name],
+            ),
+            head=Path(manifest["heads"][name]),
+            head_sha=manifest["head_fingerprints"][name],
+        )
+        for name in manifest["heads"]
+    }
+
+
+def score_folder(
+    manifest: dict[str, Any],
+    model_dir: Path,
+    splits: list[str],
+    tasks: list[str] | None,
+    cache_dir: Path,
+    split_limits: dict[str, int | None] | None = None,
+) -> dict[tuple[str, str], float]:
+    """Scores of any encoder folder (a merge, an expert) with the run's fixed heads (cached).
+
+    ``split_limits`` (the run's ``evaluation`` subsets) makes them comparable with the table.
+    """
+    from mergekit_bmm.fingerprint import model_fingerprint
+
+    known = tasks_from_manifest(manifest)
+    unknown = sorted(set(tasks or []) - set(known))
+    if unknown:
+        raise ConfigError(f"tasks {unknown} are not in run {manifest['name']}; known: {sorted(known)}")
+    chosen = [known[name] for name in (tasks or list(known))]
+    jobs = [(task, split) for task in chosen for split in splits]
+    return score_model(
+        model_fingerprint(model_dir),
+        lambda: load_encoder(model_dir),
+        jobs,
+        manifest["max_length"],
+        manifest["eval_batch_size"],
+        ScoreCache(cache_dir),
+        model_dir.name,
+        split_limits,
+    )
+
+
+def evaluator_block(config: RunConfig, art: Artifacts, split: str = "validation") -> dict[str, Any]:
+    """Contract A's ``evaluator:`` block for a search over this run's tasks."""
+    return {
+        "type": "classification",
+        "max_length": config.max_length,
+        "batch_size": config.eval_batch_size,
+        "tasks": [
+            {
+                "name": task.name,
+                "head": str(task.head),
+                "data": str(task.data.data),
+                "split": split,
+                "limit": limits(config).get(split) or task.data.counts[split],
+                "text_field": "text",
+                "label_field": "label",
+            }
+            for task in art.tasks.values()
+        ],
+    }
+
+
+def write_manifest(config: RunConfig, cache_dir: Path, art: Artifacts) -> Path:
+    """``<cache>/runs/<name>/manifest.json`` and ``evaluator.yml``: the inputs of phase 2."""
+    folder = cache_dir / "runs" / config.name
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "name": config.name,
+        "config_key": stable_key(config.model_dump(mode="json")),
+        "base": str(art.encoder),
+        "base_fingerprint": art.encoder_fingerprint,
+        "experts": {name: str(path) for name, path in art.experts.items()},
+        "heads": {name: str(task.head) for name, task in art.tasks.items() if task.head_sha},
+        "head_fingerprints": {name: task.head_sha for name, task in art.tasks.items() if task.head_sha},
+        "data": {name: str(task.data.data) for name, task in art.tasks.items()},
+        "data_fingerprints": {name: task.data.sha256 for name, task in art.tasks.items()},
+        "labels": {name: list(task.data.labels) for name, task in art.tasks.items()},
+        "counts": {name: task.data.counts for name, task in art.tasks.items()},
+        "max_length": config.max_length,
+        "eval_batch_size": config.eval_batch_size,
+    }
+    write_json(folder / "manifest.json", manifest)
+    if all(task.head_sha for task in art.tasks.values()):
+        for split in ("validation", "test"):
+            block = {"evaluator": evaluator_block(config, art, split)}
+            (folder / f"evaluator-{split}.yml").write_text(
+                yaml.safe_dump(block, sort_keys=False), encoding="utf-8"
+            )
+    return folder / "manifest.json"

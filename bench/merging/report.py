@@ -1,0 +1,475 @@
+"""Results: ``results.json``, a Markdown table and a per-task bar chart.
+
+``results.json`` (the shape the full benchmark keeps): ``tasks``; ``indiv`` (each expert
+on its own test split); ``rows``, one per (anchor, setting) with ``avg`` and ``per_task``
+test accuracies, ``validation`` accuracies, the hyperparameters found and the search
+budget; plus data sizes, head/expert records and timings. The Markdown table shows
+absolute test accuracies and where each row sits between Task Arithmetic and the experts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.merging.cache import write_json
+
+SPLITS = ("train", "validation", "test")
+
+
+def base_results(config, art) -> dict[str, Any]:
+    tasks = list(art.tasks)
+    results: dict[str, Any] = {
+        "name": config.name,
+        "encoder": config.encoder.name,
+        "tasks": tasks,
+        "config": config.model_dump(mode="json"),
+        "data": {
+            name: {"counts": task.data.counts, "classes": len(task.data.labels)}
+            for name, task in art.tasks.items()
+        },
+        "indiv": {},
+        "indiv_validation": {},
+        "rows": [],
+        "heads": {},
+        "experts": {},
+        "timings": {},
+        "sizes": {},
+    }
+    for name in tasks:
+        head = art.records.get(f"head/{name}")
+        if head:
+            results["heads"][name] = {
+                "C": head["info"]["C"],
+                "validation_accuracy": head["info"]["validation_accuracy"],
+                "seconds": head["seconds"],
+            }
+        expert = art.records.get(f"expert/{name}")
+        if expert:
+            info = expert["info"]
+            results["experts"][name] = {
+                key: info[key]
+                for key in ("steps", "epochs", "train_seconds", "examples_per_second", "loss_curve", "bytes")
+            }
+    if results["heads"]:
+        results["timings"]["heads_seconds"] = round(sum(h["seconds"] for h in results["heads"].values()), 1)
+    if results["experts"]:
+        results["timings"]["experts_seconds"] = round(
+            sum(e["train_seconds"] for e in results["experts"].values()), 1
+        )
+        results["sizes"]["expert_bytes"] = next(iter(results["experts"].values()))["bytes"]
+    encoder = art.records.get("encoder")
+    if encoder:
+        results["sizes"]["encoder_bytes"] = encoder["info"]["bytes"]
+    return results
+
+
+def add_row(
+    results: dict[str, Any],
+    anchor: str,
+    setting: str,
+    scores: dict[tuple[str, str], float],
+    hyperparameters: dict[str, Any],
+    budget: int | None = None,
+) -> dict[str, Any]:
+    tasks = results["tasks"]
+    row = {
+        "anchor": anchor,
+        "setting": setting,
+        "avg": None,
+        "per_task": {},
+        "validation_avg": None,
+        "validation": {},
+        "hyperparameters": hyperparameters,
+        "budget": budget,
+    }
+    for split, key, avg_key in (("test", "per_task", "avg"), ("validation", "validation", "validation_avg")):
+        values = {task: scores[(task, split)] for task in tasks if (task, split) in scores}
+        row[key] = {task: round(value, 4) for task, value in values.items()}
+        if len(values) == len(tasks):
+            row[avg_key] = round(sum(values.values()) / len(values), 4)
+    results["rows"] = [r for r in results["rows"] if (r["anchor"], r["setting"]) != (anchor, setting)] + [row]
+    return row
+
+
+def _row(results, anchor: str, setting: str = "anchor") -> dict[str, Any] | None:
+    return next((r for r in results["rows"] if (r["anchor"], r["setting"]) == (anchor, setting)), None)
+
+
+def dynamic_range(results: dict[str, Any]) -> dict[str, float] | None:
+    """Test averages of Pretrained, TA and the experts, and the TA-to-experts gap."""
+    tasks = results["tasks"]
+    if len(results["indiv"]) != len(tasks):
+        return None
+    indiv = sum(results["indiv"].values()) / len(tasks)
+    out = {"indiv": round(indiv, 4)}
+    pretrained = _row(results, "pretrained")
+    if pretrained and pretrained["avg"] is not None:
+        out["pretrained"] = pretrained["avg"]
+    ta = _row(results, "task_arithmetic")
+    if ta and ta["avg"] is not None:
+        out["task_arithmetic"] = ta["avg"]
+        out["gap_ta_to_indiv"] = round(indiv - ta["avg"], 4)
+    return out
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The per-task test table (accuracy, %), with the validation average alongside."""
+    tasks = results["tasks"]
+    header = ["method", *tasks, "avg (test)", "avg (val)", "hyperparameters"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def fmt(value) -> str:
+        return "–" if value is None else f"{100 * value:.1f}"
+
+    for row in results["rows"]:
+        name = row["anchor"] if row["setting"] == "anchor" else f"{row['anchor']} + BMM ({row['setting']})"
+        hyper = ", ".join(f"{k}={v}" for k, v in row["hyperparameters"].items() if k != "validation_sweep")
+        cells = [fmt(row["per_task"].get(task)) for task in tasks]
+        lines.append(
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {fmt(row['avg'])} | {fmt(row['validation_avg'])} | {hyper} |"
+        )
+    if len(results["indiv"]) == len(tasks):
+        cells = [fmt(results["indiv"][task]) for task in tasks]
+        avg = sum(results["indiv"].values()) / len(tasks)
+        val = sum(results["indiv_validation"].values()) / len(tasks) if results["indiv_validation"] else None
+        lines.append(
+            "| Indiv. (each expert on its task) | " + " | ".join(cells) + f" | {fmt(avg)} | {fmt(val)} | |"
+        )
+    text = "\n".join(lines)
+    span = dynamic_range(results)
+    if span:
+        text += "\n\nDynamic range (test avg): " + ", ".join(f"{k} {100 * v:.1f}" for k, v in span.items())
+    ta = _row(results, "task_arithmetic")
+    if ta and "validation_sweep" in ta["hyperparameters"]:
+        sweep = ta["hyperparameters"]["validation_sweep"]
+        text += "\n\nTask Arithmetic weight sweep (validation avg): " + ", ".join(
+            f"{w}: {100 * v:.1f}" for w, v in sweep.items()
+        )
+    return text
+
+
+ANCHOR_LABELS = {
+    "pretrained": "Pretrained",
+    "task_arithmetic": "Task Arithmetic",
+    "ties": "TIES",
+    "regmean": "RegMean",
+    "tsv": "TSV-M",
+    "wudi": "WUDI",
+    "iso_cts": "ISO-CTS",
+}
+SETTING_LABELS = {"anchor": "", "data_free": " + BMM (data-free)", "data_assisted": " + BMM (data-assisted)"}
+
+
+def _values(row: dict[str, Any]) -> str:
+    hyper = row["hyperparameters"]
+    if row["setting"] == "anchor":
+        return ", ".join(f"{k}={v}" for k, v in hyper.items() if k != "validation_sweep" and v is not None)
+    values = hyper.get("best_values") or {}
+    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+
+
+def table1(results: dict[str, Any]) -> str:
+    """Paper Table 1 in kind: each anchor, then BMM over it, with the change over that anchor."""
+    tasks = results["tasks"]
+    header = ["method", *tasks, "avg", "Δ vs anchor (pts)", "Δ rel. (%)", "K", "tuned on validation"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def pct(value) -> str:
+        return "–" if value is None else f"{100 * value:.1f}"
+
+    anchors = list(dict.fromkeys(r["anchor"] for r in results["rows"]))
+    for anchor in anchors:
+        base = _row(results, anchor)
+        for setting in ("anchor", "data_free", "data_assisted"):
+            row = _row(results, anchor, setting)
+            if row is None or row["avg"] is None:
+                continue
+            name = ANCHOR_LABELS.get(anchor, anchor) + SETTING_LABELS[setting]
+            if setting != "anchor" and base and base["avg"] is not None:
+                delta = row["avg"] - base["avg"]
+                change = f"{100 * delta:+.1f}"
+                rel = f"{100 * delta / base['avg']:+.1f}" if base["avg"] else "–"
+            else:
+                change = rel = ""
+            cells = [pct(row["per_task"].get(task)) for task in tasks]
+            name = f"**{name}**" if setting != "anchor" else name
+            lines.append(
+                f"| {name} | "
+                + " | ".join(cells)
+                + f" | {pct(row['avg'])} | {change} | {rel} | {row.get('budget') or ''} | {_values(row)} |"
+            )
+    if len(results["indiv"]) == len(tasks):
+        cells = [pct(results["indiv"][task]) for task in tasks]
+        avg = sum(results["indiv"].values()) / len(tasks)
+        lines.append("| Indiv. (each expert on its task) | " + " | ".join(cells) + f" | {pct(avg)} | | | | |")
+    return "\n".join(lines)
+
+
+def runtime_table(results: dict[str, Any]) -> str:
+    """Paper Table 5 in kind: where a BMM search's time goes (seconds, this machine)."""
+    runtime = results.get("bmm_runtime") or {}
+    if not runtime:
+        return ""
+    anchors = results.get("anchor_runtime") or {}
+    stats = results.get("timings", {}).get("stats_seconds")
+    ta_merge = (anchors.get("task_arithmetic") or {}).get("merge_seconds")
+    header = [
+        "search (anchor / setting)",
+        "Gram (stats, once)",
+        "anchor merge (once)",
+        "K",
+        "merge / trial",
+        "GP (total)",
+        "validation / trial",
+        "search total",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cell, times in runtime.items():
+        anchor, setting = cell.split("/")
+        k = max(times["trials"], 1)
+        merge = times["merge"] / k
+        gram = f"{stats}" if setting == "data_assisted" and stats is not None else "– (in merge)"
+        anchor_merge = (anchors.get(anchor) or {}).get("merge_seconds", "–")
+        total = times["merge"] + times["evaluate"] + times["surrogate"]
+        lines.append(
+            f"| {anchor} / {setting} | {gram} | {anchor_merge} | {times['trials']} | {merge:.1f} | "
+            f"{times['surrogate']:.1f} | {times['evaluate'] / k:.1f} | {total:.0f} |"
+        )
+    note = (
+        "\n\n`merge / trial` is mergekit's whole merge of a trial: loading the inputs and the anchor, the "
+        "Grams and the closed form, writing the model. The closed form is not timed on its own; the search "
+        "passes bmm a λ-independent cache (`cache:`), so a Gram's eigendecomposition is computed once per "
+        "search and later trials only re-solve. For scale, a plain Task Arithmetic merge of the same models "
+        f"took {ta_merge} s. `Gram (stats, once)` is `mergekit-bmm-stats` over all tasks, shared by every "
+        "data-assisted search and RegMean; data-free Grams `U_tᵀU_t` are formed inside the merge. "
+        "`validation` is the classification evaluator on the validation subsets; `GP` is the surrogate "
+        "(scikit-optimize) over the whole search. Wall-clock seconds on a 2-core CPU shared with other work."
+    )
+    return "\n".join(lines) + note
+
+
+def ablation_table(results: dict[str, Any]) -> str:
+    ablation = results.get("ablation")
+    if not ablation:
+        return ""
+    names = {"grid": "shared-λ grid (s = 1)", "random": "random search", "bo": "BO (GP, EI)"}
+    lines = [
+        "| strategy | K | best validation avg | test avg | values found |",
+        "|---|---|---|---|---|",
+    ]
+    for row in ablation["rows"]:
+        values = ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in (row["best_values"] or {}).items()
+        )
+        lines.append(
+            f"| {names.get(row['strategy'], row['strategy'])} | {row['budget']} | "
+            f"{100 * row['validation']:.1f} | {100 * row['test']:.1f} | {values} |"
+        )
+    return (
+        f"BMM over {ANCHOR_LABELS.get(ablation['anchor'], ablation['anchor'])}, {ablation['setting']}, "
+        "same space and budget:\n\n" + "\n".join(lines)
+    )
+
+
+def plot_anchors(results: dict[str, Any], path: Path) -> Path | None:
+    """One panel per anchor: per-task test accuracy of the anchor and BMM over it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    tasks = results["tasks"]
+    anchors = [a for a in dict.fromkeys(r["anchor"] for r in results["rows"]) if _row(results, a)]
+    if not anchors:
+        return None
+    columns = min(4, len(anchors))
+    rows_n = (len(anchors) + columns - 1) // columns
+    fig, axes = plt.subplots(rows_n, columns, figsize=(4.2 * columns, 3.4 * rows_n), squeeze=False)
+    x = np.arange(len(tasks))
+    colors = {"anchor": "#9e9e9e", "data_free": "#1f77b4", "data_assisted": "#d62728"}
+    for ax, anchor in zip(axes.flat, anchors):
+        settings = [s for s in ("anchor", "data_free", "data_assisted") if _row(results, anchor, s)]
+        width = 0.8 / max(len(settings), 1)
+        for i, setting in enumerate(settings):
+            row = _row(results, anchor, setting)
+            values = [row["per_task"].get(t, 0.0) for t in tasks]
+            label = {"anchor": "anchor", "data_free": "BMM data-free", "data_assisted": "BMM data-assisted"}
+            ax.bar(
+                x + (i - (len(settings) - 1) / 2) * width,
+                values,
+                width,
+                color=colors[setting],
+                label=f"{label[setting]} ({100 * row['avg']:.1f})"
+                if row["avg"] is not None
+                else label[setting],
+            )
+        if len(results["indiv"]) == len(tasks):
+            ax.scatter(
+                x,
+                [results["indiv"][t] for t in tasks],
+                marker="_",
+                s=200,
+                color="black",
+                label="expert",
+                zorder=3,
+            )
+        ax.set_title(ANCHOR_LABELS.get(anchor, anchor), fontsize=10)
+        ax.set_xticks(x, tasks, rotation=35, ha="right", fontsize=7)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=6, loc="lower left")
+    for ax in list(axes.flat)[len(anchors) :]:
+        ax.axis("off")
+    fig.suptitle(f"{results['encoder']}: per-task test accuracy, anchors and BMM ({results['name']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def data_table(results: dict[str, Any]) -> str:
+    header = ["task", "classes", "train", "head", "validation", "test", "head C", "expert steps", "expert s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for task in results["tasks"]:
+        counts = results["data"][task]["counts"]
+        head = results["heads"].get(task, {})
+        expert = results["experts"].get(task, {})
+        cells = [
+            task,
+            results["data"][task]["classes"],
+            counts["train"],
+            counts.get("head", "–"),
+            counts["validation"],
+            counts["test"],
+            head.get("C", "–"),
+            expert.get("steps", "–"),
+            expert.get("train_seconds", "–"),
+        ]
+        lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    """Grouped bars: test accuracy per task for each row and the experts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    tasks = results["tasks"]
+    series = [
+        (r["anchor"] if r["setting"] == "anchor" else f"{r['anchor']}+bmm/{r['setting']}", r["per_task"])
+        for r in results["rows"]
+        if len(r["per_task"]) == len(tasks)
+    ]
+    if len(results["indiv"]) == len(tasks):
+        series.append(("indiv. (experts)", results["indiv"]))
+    if not series:
+        return None
+    x = np.arange(len(tasks))
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(tasks)), 4))
+    for i, (label, values) in enumerate(series):
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, [values[t] for t in tasks], width, label=label)
+    ax.set_xticks(x, tasks, rotation=20, ha="right")
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{results['encoder']}: per-task test accuracy ({results['name']})")
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def language_markdown(language: dict[str, Any]) -> str:
+    """The language track's table: accuracy (%) per task, validation / test."""
+    tasks = language["tasks"]
+    header = ["model", *tasks, "avg (test)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def row(name: str, scores: dict[str, dict[str, float]]) -> str:
+        cells = [f"{100 * scores[t]['validation']:.1f} / {100 * scores[t]['test']:.1f}" for t in tasks]
+        avg = sum(scores[t]["test"] for t in tasks) / len(tasks)
+        return f"| {name} | " + " | ".join(cells) + f" | {100 * avg:.1f} |"
+
+    lines.append(row(f"pretrained ({language['model']})", language["pretrained"]))
+    if "task_arithmetic" in language:
+        ta = language["task_arithmetic"]
+        lines.append(row(f"task_arithmetic (weight {ta['weight']})", ta["scores"]))
+    if "bmm" in language:
+        bmm = language["bmm"]
+        values = ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in (bmm["best_values"] or {}).items()
+        )
+        lines.append(row(f"task_arithmetic + BMM (data-free, K={bmm['budget']}; {values})", bmm["scores"]))
+    lines.append(row("Indiv. (each expert on its task)", language["indiv"]))
+    limit = language.get("eval_limit")
+    text = (
+        "Cells: validation / test accuracy (%), lm-eval `acc`"
+        + (f", the first {limit} documents of each split" if limit else "")
+        + ".\n\n"
+        + "\n".join(lines)
+    )
+    if "task_arithmetic" in language:
+        sweep = language["task_arithmetic"]["validation_sweep"]
+        text += "\n\nTask Arithmetic weight sweep (validation avg): " + ", ".join(
+            f"{w}: {100 * v:.1f}" for w, v in sweep.items()
+        )
+    return text
+
+
+def timings_markdown(results: dict[str, Any]) -> str:
+    """Sizes and wall-clock seconds of the stages (as first built; cached stages cost ~0 now)."""
+    lines = ["| what | value |", "|---|---|"]
+    for key, value in results.get("sizes", {}).items():
+        lines.append(f"| {key} | {value / 1e6:.1f} MB |")
+    for key, value in results.get("timings", {}).items():
+        lines.append(f"| {key} | {value} s |")
+    for task, expert in results.get("experts", {}).items():
+        lines.append(
+            f"| expert {task} | {expert['train_seconds']} s, {expert['examples_per_second']} examples/s |"
+        )
+    language = results.get("language")
+    if language:
+        for key, value in language.get("timings", {}).items():
+            lines.append(f"| language {key} | {value} s |")
+        for task, expert in language.get("experts", {}).items():
+            lines.append(f"| language expert {task} | {expert['train_seconds']} s |")
+    return "\n".join(lines)
+
+
+def write(results: dict[str, Any], folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    results["dynamic_range"] = dynamic_range(results)
+    write_json(folder / "results.json", results)
+    picture = plot(results, folder / "per_task.png")
+    panels = plot_anchors(results, folder / "per_anchor.png") if len(results["rows"]) > 2 else None
+    text = [f"# {results['name']}: {results['encoder']}, test accuracy (%)", ""]
+    if any(r["setting"] != "anchor" for r in results["rows"]):
+        text += ["## Anchors and BMM (Table 1 in kind)", "", table1(results), ""]
+        if panels:
+            text += ["![per-task test accuracy per anchor](per_anchor.png)", ""]
+        if results.get("ablation"):
+            text += ["## Search strategy ablation (Table 3 in kind)", "", ablation_table(results), ""]
+        if results.get("bmm_runtime"):
+            text += ["## Runtime of the searches (Table 5 in kind)", "", runtime_table(results), ""]
+    text += ["## All rows", "", markdown(results), ""]
+    text += ["## Data and experts", "", data_table(results), ""]
+    if picture:
+        text += ["![per-task test accuracy](per_task.png)", ""]
+    if results.get("language"):
+        text += [
+            f"## Language track: {results['language']['model']}",
+            "",
+            language_markdown(results["language"]),
+            "",
+        ]
+    text += ["## Sizes and timings", "", timings_markdown(results), ""]
+    (folder / "results.md").write_text("\n".join(text), encoding="utf-8")

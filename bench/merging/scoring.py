@@ -1,0 +1,96 @@
+"""Scores of encoders on task splits, through the shared classification evaluator.
+
+Every score goes through :func:`mergekit_bmm.evaluation.classification.task_logits`, the
+same function the search's classification evaluator uses, and is cached by the model's
+identity (weights fingerprint, or a merge recipe's key), the task data, the head, the
+split and the token length: re-running a benchmark never scores a model twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.merging.cache import ScoreCache
+from bench.merging.tasks import TaskData
+from mergekit_bmm.evaluation.classification import ClassificationTask, accuracy, task_logits
+
+
+@dataclass(frozen=True)
+class ScoredTask:
+    """A task with its head: what an evaluator needs."""
+
+    data: TaskData
+    head: Path
+    head_sha: str
+
+    @property
+    def name(self) -> str:
+        return self.data.name
+
+    def evaluator_task(self, split: str, limit: int | None = None) -> ClassificationTask:
+        return ClassificationTask(
+            name=self.name, head=str(self.head), data=str(self.data.data), split=split, limit=limit
+        )
+
+
+def score_key(
+    model_id: str, task: ScoredTask, split: str, max_length: int, limit: int | None = None
+) -> dict[str, Any]:
+    key = {
+        "model": model_id,
+        "task": task.name,
+        "data": task.data.sha256,
+        "head": task.head_sha,
+        "split": split,
+        "max_length": max_length,
+    }
+    if limit is not None:
+        key["limit"] = limit
+    return key
+
+
+def score_model(
+    model_id: str,
+    load: Callable[[], tuple[Any, Any]],
+    jobs: Sequence[tuple[ScoredTask, str]],
+    max_length: int,
+    batch_size: int,
+    cache: ScoreCache,
+    label: str = "",
+    limits: dict[str, int | None] | None = None,
+) -> dict[tuple[str, str], float]:
+    """Accuracy per ``(task, split)``; ``load()`` runs only if a score is missing.
+
+    ``limits`` maps a split to the size of its fixed subset (the evaluator's ``limit``).
+    """
+    limits = limits or {}
+    from tqdm.auto import tqdm
+
+    scores: dict[tuple[str, str], float] = {}
+    missing = []
+    for task, split in jobs:
+        record = cache.get(score_key(model_id, task, split, max_length, limits.get(split)))
+        if record is None:
+            missing.append((task, split))
+        else:
+            scores[(task.name, split)] = record["accuracy"]
+    if missing:
+        model, tokenizer = load()
+        for task, split in tqdm(missing, desc=f"score {label}".strip(), leave=False):
+            limit = limits.get(split)
+            logits, labels = task_logits(
+                model, tokenizer, task.evaluator_task(split, limit), max_length, batch_size
+            )
+            value = accuracy(logits, labels)
+            cache.put(
+                score_key(model_id, task, split, max_length, limit), {"accuracy": value, "n": len(labels)}
+            )
+            scores[(task.name, split)] = value
+    return scores
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)

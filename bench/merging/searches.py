@@ -1,0 +1,172 @@
+"""Activation statistics and BMM searches, through the project's own commands.
+
+``mergekit-bmm-stats`` collects each task's Grams (its expert on its train split);
+``mergekit-bmm-search`` tunes BMM's λ per block and module group and s per block on the
+validation subsets, with the classification evaluator (the benchmark's own scorer), and
+merges the best recipe into ``best/``, which the benchmark then scores on test. Each
+search lives in its own folder, keyed by everything it depends on: re-running the
+benchmark resumes an interrupted search (the command replays its ``trials.jsonl``) and
+skips a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.merging.cache import read_json, stable_key, write_json
+from bench.merging.config import SearchSpec, StatsSpec
+from mergekit_bmm.errors import ConfigError
+
+SETTING_GRAM = {"data_free": "data_free", "data_assisted": "activations"}
+
+
+def _run(command: str, args: list[str], log: Path) -> None:
+    """Run one of the project's console commands in this process (no interpreter start-up).
+
+    ``command`` is ``mergekit-bmm-stats`` or ``mergekit-bmm-search``: exactly the click
+    command a user runs, called with the same arguments; its one-line error becomes ours.
+    """
+    import contextlib
+
+    from mergekit_bmm.cli.search import main as search_main
+    from mergekit_bmm.cli.stats_command import main as stats_main
+
+    entry = {"mergekit-bmm-stats": stats_main, "mergekit-bmm-search": search_main}[command]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a", encoding="utf-8") as handle:
+        handle.write(f"\n$ {command} {' '.join(args)}\n")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    with contextlib.redirect_stderr(sys.stdout):  # progress bars and errors go to the run's log
+        try:
+            entry.main(args=args, prog_name=command, standalone_mode=False)
+        except SystemExit as stop:
+            if stop.code not in (0, None):
+                raise ConfigError(f"`{command} {' '.join(args[:1])} ...` failed (exit {stop.code})") from None
+
+
+def collect_stats(
+    spec: StatsSpec,
+    experts: dict[str, Path],
+    data: dict[str, Path],
+    max_length: int,
+    cache_dir: Path,
+    run_name: str,
+    fingerprints: dict[str, str],
+) -> tuple[Path, float]:
+    """``mergekit-bmm-stats`` over every task's train split; (directory, seconds of collection)."""
+    key = stable_key({"spec": spec.model_dump(), "max_length": max_length, "experts": fingerprints})
+    folder = cache_dir / "stats" / f"{run_name}-{key}"
+    record = folder.with_name(folder.name + ".json")
+    if record.is_file() and (folder / "manifest.json").is_file():
+        return folder, read_json(record)["seconds"]
+    stats_yml = {
+        "max_samples": spec.max_samples,
+        "max_length": max_length,
+        "batch_size": spec.batch_size,
+        "tasks": [
+            {"name": name, "model": str(experts[name]), "data": str(data[name]), "split": "train"}
+            for name in experts
+        ],
+    }
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    config_path = folder.with_name(folder.name + ".yml")
+    config_path.write_text(yaml.safe_dump(stats_yml, sort_keys=False), encoding="utf-8")
+    started = time.time()
+    _run(
+        "mergekit-bmm-stats", [str(config_path), "--out", str(folder)], folder.with_name(folder.name + ".log")
+    )
+    seconds = round(time.time() - started, 1)
+    write_json(record, {"seconds": seconds, "stats_yml": stats_yml})
+    return folder, seconds
+
+
+def bmm_template(
+    base: Path, experts: list[Path], anchor: Path | None, setting: str, stats: Path | None
+) -> dict[str, Any]:
+    """The bmm recipe a search tunes: the experts, the anchor (a kept folder, or pretrained)."""
+    models: list[dict[str, Any]] = [{"model": str(path)} for path in experts]
+    parameters: dict[str, Any] = {"gram": SETTING_GRAM[setting]}
+    if anchor is None:
+        parameters["anchor_method"] = "pretrained"
+    else:
+        models.append({"model": str(anchor), "parameters": {"anchor": True}})
+    if setting == "data_assisted":
+        if stats is None:
+            raise ConfigError("data-assisted BMM needs the statistics stage")
+        parameters["stats"] = str(stats)
+    return {
+        "merge_method": "bmm",
+        "base_model": str(base),
+        "models": models,
+        "parameters": parameters,
+        "dtype": "float32",
+    }
+
+
+def search_config(
+    spec: SearchSpec, template: dict[str, Any], evaluator: dict[str, Any], strategy: str
+) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "recipe": template,
+        "blocks": spec.blocks,
+        "groups": list(spec.groups),
+        "lambda_range": list(spec.lambda_range),
+        "scale_range": list(spec.scale_range) if spec.scale_range else None,
+        "budget": spec.budget,
+        "n_initial": min(spec.n_initial, spec.budget),
+        "acq_optimizer": spec.acq_optimizer,
+        "strategy": strategy,
+        "seed": spec.seed,
+        "evaluator": evaluator,
+    }
+    return config
+
+
+def run_search(config: dict[str, Any], folder: Path, threads: int) -> dict[str, Any]:
+    """Run (or resume, or reuse) one ``mergekit-bmm-search``; its summary and time splits."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    config_path = folder.with_name(folder.name + ".search.yml")
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    summary_path = folder / "summary.json"
+    finished = False
+    if summary_path.is_file():
+        summary = read_json(summary_path)
+        finished = summary.get("status") == "finished" and (folder / "best.yml").is_file()
+    if not finished:
+        args = [str(config_path), "--out", str(folder), "--device", "cpu", "-j", str(threads)]
+        _run("mergekit-bmm-search", args, folder.with_name(folder.name + ".log"))
+    return read_search(folder)
+
+
+def read_search(folder: Path) -> dict[str, Any]:
+    summary = read_json(folder / "summary.json")
+    trials = [
+        json.loads(line)
+        for line in (folder / "trials.jsonl").read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
+    times = {"merge": 0.0, "evaluate": 0.0, "surrogate": 0.0}
+    for trial in trials:
+        for key in times:
+            times[key] += float((trial.get("time") or {}).get(key) or 0.0)
+    best = max((t for t in trials if t.get("status") == "ok"), key=lambda t: t["score"], default=None)
+    return {
+        "summary": summary,
+        "trials": len(trials),
+        "failed": sum(1 for t in trials if t.get("status") != "ok"),
+        "times": {key: round(value, 1) for key, value in times.items()},
+        "best_values": best["values"] if best else None,
+        "best_validation": best["score"] if best else None,
+        "best_per_task": best.get("per_task") if best else None,
+        "best_yml": folder / "best.yml",
+        "best_dir": folder / "best",
+        "curve": [t.get("score") for t in trials],
+    }

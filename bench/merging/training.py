@@ -1,0 +1,154 @@
+"""The fine-tuning loop shared by the encoder and language-model experts, resumable.
+
+AdamW with a linear warm-up/decay schedule and gradient clipping over a fixed number of
+steps. Every ``checkpoint_every`` steps the model, optimiser, scheduler, torch RNG state
+(dropout) and the loop's counters are saved in the stage's ``.partial`` folder; an
+interrupted build resumes from there and produces exactly the weights an uninterrupted
+one would (the batch order is a pure function of the seed).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.merging.config import FinetuneSpec
+
+CHECKPOINT = "resume-state.ckpt"
+NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
+
+
+def linear_schedule(steps: int, warmup: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (steps - step) / max(1, steps - warmup))
+
+    return factor
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on biases and normalisation weights (the usual AdamW practice)."""
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            (no_decay if name.endswith(NO_DECAY) else decay).append(parameter)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def batch_order(count: int, batch_size: int, steps: int, seed: int) -> Iterable[np.ndarray]:
+    """Indices of each step's batch: seeded permutations, epoch after epoch."""
+    rng = np.random.default_rng(seed)
+    order = np.empty(0, dtype=np.int64)
+    for _ in range(steps):
+        while len(order) < batch_size:
+            order = np.concatenate([order, rng.permutation(count)])
+        yield order[:batch_size]
+        order = order[batch_size:]
+
+
+def train_loop(
+    model: torch.nn.Module,
+    spec: FinetuneSpec,
+    batches: Iterable[np.ndarray],
+    step_loss: Callable[[np.ndarray], tuple[torch.Tensor, int]],
+    folder: Path | None = None,
+    checkpoint_every: int = 25,
+    progress: str | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``spec.steps`` optimiser steps; ``step_loss(rows) -> (loss, correct)``.
+
+    Returns the loop's counters: ``losses`` (per step), ``correct``, ``seen``,
+    ``seconds`` (training time, summed over resumptions) and ``resumed_at``.
+    """
+    from tqdm.auto import tqdm
+
+    optimizer = torch.optim.AdamW(parameter_groups(model, spec.weight_decay), lr=spec.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, linear_schedule(spec.steps, int(spec.warmup_fraction * spec.steps))
+    )
+    state: dict[str, Any] = {
+        "step": 0,
+        "losses": [],
+        "correct": 0,
+        "seen": 0,
+        "seconds": 0.0,
+        "resumed_at": None,
+    }
+    checkpoint = folder / CHECKPOINT if folder is not None else None
+    if checkpoint is not None and checkpoint.is_file():
+        saved = torch.load(checkpoint, weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        torch.set_rng_state(saved["rng"])
+        state = saved["state"]
+        state["resumed_at"] = state["step"]
+    start, started = state["step"], time.time() - state["seconds"]
+    bar = tqdm(total=spec.steps, initial=start, desc=progress, disable=progress is None, leave=False)
+    for step, rows in enumerate(batches):
+        if step < start:
+            continue
+        loss, correct = step_loss(rows)
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"training loss became {loss.item()} at step {step}; lower the lr")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["losses"].append(loss.item())
+        state["correct"] += correct
+        state["seen"] += len(rows)
+        state["step"] = step + 1
+        state["seconds"] = time.time() - started
+        bar.update()
+        bar.set_postfix(loss=f"{np.mean(state['losses'][-20:]):.3f}")
+        if checkpoint is not None and state["step"] % checkpoint_every == 0 and state["step"] < spec.steps:
+            _save(checkpoint, model, optimizer, scheduler, state)
+        if on_step is not None:
+            on_step(step)
+    bar.close()
+    if checkpoint is not None and checkpoint.exists():
+        checkpoint.unlink()
+    return state
+
+
+def _save(path: Path, model, optimizer, scheduler, state: dict[str, Any]) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "state": state,
+        },
+        temporary,
+    )
+    os.replace(temporary, path)
+
+
+def summary(state: dict[str, Any], spec: FinetuneSpec, examples: int, seed: int) -> dict[str, Any]:
+    """The training record kept in the expert's ``done.json``."""
+    losses = state["losses"]
+    chunk = max(1, len(losses) // 10)
+    return {
+        "steps": spec.steps,
+        "examples_seen": state["seen"],
+        "epochs": round(state["seen"] / examples, 3),
+        "train_seconds": round(state["seconds"], 1),
+        "examples_per_second": round(state["seen"] / max(state["seconds"], 1e-9), 2),
+        "loss_curve": [round(float(np.mean(losses[i : i + chunk])), 4) for i in range(0, len(losses), chunk)],
+        "train_accuracy_running": round(state["correct"] / max(state["seen"], 1), 4),
+        "resumed_at_step": state["resumed_at"],
+        "seed": seed,
+    }

@@ -1,0 +1,94 @@
+"""Language-track building blocks: multiple-choice data, lm-eval task YAMLs, answer-only loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+
+@pytest.fixture()
+def mc_task(tmp_path):
+    from bench.merging.config import LanguageTaskSpec
+    from bench.merging.language.mc_tasks import build_mc_task
+
+    data = tmp_path / "mood.jsonl"
+    with open(data, "w", encoding="utf-8") as handle:
+        for i in range(60):
+            handle.write(
+                json.dumps({"text": f"example {i} is {'good' if i % 2 else 'bad'}", "label": i % 2}) + "\n"
+            )
+    spec = LanguageTaskSpec(
+        name="mood_mc",
+        jsonl=data,
+        choices={"0": "negative", "1": "positive"},
+        prompt="Text: {text}\nQuestion: positive or negative?\nAnswer:",
+        train=20,
+        validation=5,
+        test=10,
+    )
+    task, cached = build_mc_task(spec, tmp_path / "cache", seed=0)
+    assert not cached
+    return task
+
+
+def test_mc_task_records_and_lm_eval_yaml(mc_task, tmp_path, monkeypatch):
+    from bench.merging.language.mc_tasks import write_lm_eval_yamls
+
+    assert mc_task.counts == {"train": 20, "validation": 5, "test": 10}
+    record = mc_task.records("test")[0]
+    assert record["choices"] == ["negative", "positive"]
+    assert record["query"].startswith("Text: example ") and record["query"].endswith("Answer:")
+    assert record["choices"][record["label"]] == ("positive" if "good" in record["query"] else "negative")
+
+    folder = write_lm_eval_yamls([mc_task], tmp_path / "yamls")
+    document = yaml.safe_load((folder / "bmm_mood_mc_test.yaml").read_text())
+    path = document["dataset_kwargs"]["data_files"]["test"]
+    assert path.startswith("/") and json.loads(open(path).readline())["split"] == "test"
+    assert document["test_split"] == "test" and document["output_type"] == "multiple_choice"
+
+    # lm-eval itself reads the generated task offline, from another working directory.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    tasks = get_task_dict(["bmm_mood_mc_test"], TaskManager(include_path=str(folder), include_defaults=False))
+    task = tasks["bmm_mood_mc_test"]
+    docs = list(task.test_docs())
+    assert len(docs) == 10
+    assert task.doc_to_choice(docs[0]) == ["negative", "positive"]
+    assert task.doc_to_target(docs[0]) == docs[0]["label"]
+
+
+def test_answer_only_loss_masks_the_prompt():
+    from bench.merging.language.lm_finetune import collate, encode_example
+    from mergekit_bmm.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    ids, n_answer = encode_example(tokenizer, "Text: good\nAnswer:", "positive", max_length=64)
+    context = tokenizer("Text: good\nAnswer:", add_special_tokens=False)["input_ids"]
+    assert ids[: len(context)] == context and n_answer == len(ids) - len(context) >= 1
+    short = encode_example(tokenizer, "Q:", "no", max_length=64)
+    batch = collate([(ids, n_answer), short], pad_id=0)
+    labels = batch["labels"]
+    assert labels[0, : len(context)].eq(-100).all()
+    assert labels[0, len(context) : len(ids)].tolist() == ids[len(context) :]
+    assert labels[1, len(short[0]) :].eq(-100).all() and batch["attention_mask"][1].sum() == len(short[0])
+
+
+def test_language_table():
+    from bench.merging.report import language_markdown
+
+    scores = {"a": {"validation": 0.5, "test": 0.25}, "b": {"validation": 1.0, "test": 0.75}}
+    text = language_markdown(
+        {
+            "model": "lm",
+            "tasks": ["a", "b"],
+            "pretrained": scores,
+            "indiv": scores,
+            "task_arithmetic": {"weight": 0.5, "validation_sweep": {"0.5": 0.75}, "scores": scores},
+        }
+    )
+    assert "| pretrained (lm) | 50.0 / 25.0 | 100.0 / 75.0 | 50.0 |" in text
+    assert "task_arithmetic (weight 0.5)" in text and "0.5: 75.0" in text

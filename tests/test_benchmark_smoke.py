@@ -1,0 +1,310 @@
+"""The merging benchmark end to end on two tiny generated tasks and a tiny BERT.
+
+Same command and stages as the real run (data, heads, experts, scores, Task Arithmetic
+through mergekit), tiny budgets; a second run must reuse everything (resume = no-op).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+WORDS = {
+    "mood": (["good", "great", "fine", "happy"], ["bad", "awful", "sad", "poor"]),
+    "topic": (["dog", "cat", "fox", "bird"], ["one", "two", "seven", "nine"]),
+}
+FILLER = ["the", "a", "is", "very", "and", "it", "was", "so"]
+
+
+def write_task(path: Path, kind: str, n: int, seed: int, with_split: bool) -> Path:
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as handle:
+        for i in range(n):
+            label = i % 2
+            words = [rng.choice(FILLER) for _ in range(5)] + [
+                rng.choice(WORDS[kind][label]) for _ in range(2)
+            ]
+            rng.shuffle(words)
+            record = {"text": " ".join(words), "label": label}
+            if with_split:
+                record["split"] = "test" if i % 5 == 0 else "train"
+            handle.write(json.dumps(record) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from mergekit_bmm.tiny_models import make_base
+
+    root = tmp_path_factory.mktemp("bench")
+    model, tokenizer = make_base("bert", hidden=32, layers=2, seed=0)
+    model.save_pretrained(root / "tiny-bert")
+    tokenizer.save_pretrained(root / "tiny-bert")
+    config = {
+        "name": "smoke",
+        "encoder": {"name": "tiny-bert", "path": str(root / "tiny-bert")},
+        "max_length": 16,
+        "eval_batch_size": 16,
+        "tasks": [
+            {
+                "name": "mood",
+                "jsonl": str(write_task(root / "mood.jsonl", "mood", 120, 1, True)),
+                "labels": ["positive", "negative"],
+                "train": 64,
+                "head": 24,
+                "validation": 16,
+                "test": 24,
+            },
+            {
+                "name": "topic",
+                "jsonl": str(write_task(root / "topic.jsonl", "topic", 120, 2, False)),
+                "train": 64,
+                "head": 24,
+                "validation": 16,
+                "test": 24,
+            },
+        ],
+        "head": {"c_grid": [1.0], "max_iter": 200},
+        "finetune": {"steps": 6, "batch_size": 8, "lr": 1e-3, "threads": 1},
+        "task_arithmetic": {"weights": [0.5, 1.0]},
+        "niceness": 0,
+    }
+    path = root / "smoke.yml"
+    path.write_text(yaml.safe_dump(config))
+    return root, path
+
+
+def run_cli(config: Path, root: Path, *extra: str):
+    from click.testing import CliRunner
+
+    from bench.merging.__main__ import main
+
+    args = [
+        "run",
+        str(config),
+        "--cache-dir",
+        str(root / "cache"),
+        "--results-dir",
+        str(root / "results"),
+        *extra,
+    ]
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def test_pipeline_builds_heads_experts_scores_and_resumes(tiny_run):
+    from safetensors import safe_open
+
+    root, config = tiny_run
+    first = run_cli(config, root)
+    assert first.exit_code == 0, first.output
+    results = json.loads((root / "results" / "smoke" / "results.json").read_text())
+    assert results["tasks"] == ["mood", "topic"]
+    rows = {row["anchor"]: row for row in results["rows"]}
+    assert set(rows) == {"pretrained", "task_arithmetic"}
+    for row in rows.values():
+        assert set(row["per_task"]) == {"mood", "topic"}
+        assert all(0.0 <= v <= 1.0 for v in row["per_task"].values())
+    assert rows["task_arithmetic"]["hyperparameters"]["weight"] in (0.5, 1.0)
+    assert set(results["indiv"]) == {"mood", "topic"}
+    assert (root / "results" / "smoke" / "per_task.png").stat().st_size > 0
+    assert "Indiv." in (root / "results" / "smoke" / "results.md").read_text()
+
+    manifest = json.loads((root / "cache" / "runs" / "smoke" / "manifest.json").read_text())
+    for task in ("mood", "topic"):
+        with safe_open(manifest["heads"][task], framework="pt") as handle:
+            assert json.loads(handle.metadata()["labels"]) == (
+                ["positive", "negative"] if task == "mood" else ["0", "1"]
+            )
+            assert handle.get_tensor("weight").shape == (2, 32)
+        expert = Path(manifest["experts"][task])
+        assert (expert / "model.safetensors").is_file() and (expert / "tokenizer.json").is_file()
+        lines = [json.loads(x) for x in Path(manifest["data"][task]).read_text().splitlines()]
+        assert {x["split"] for x in lines} == {"train", "head", "validation", "test"}
+        head_texts = {x["text"] for x in lines if x["split"] == "head"}
+        assert head_texts and not head_texts & {x["text"] for x in lines if x["split"] == "train"}
+    evaluator = yaml.safe_load((root / "cache" / "runs" / "smoke" / "evaluator-validation.yml").read_text())
+    assert evaluator["evaluator"]["type"] == "classification"
+
+    built = sorted(p.name for p in (root / "cache").glob("*/*") if p.is_dir())
+    stamps = {p: p.stat().st_mtime_ns for p in (root / "cache").rglob("done.json")}
+    second = run_cli(config, root)
+    assert second.exit_code == 0, second.output
+    assert "built" not in second.output and "(cached)" in second.output
+    assert sorted(p.name for p in (root / "cache").glob("*/*") if p.is_dir()) == built
+    assert {p: p.stat().st_mtime_ns for p in (root / "cache").rglob("done.json")} == stamps
+    assert json.loads((root / "results" / "smoke" / "results.json").read_text())["rows"] == results["rows"]
+
+    # Any encoder folder (here an expert) is scored with the run's heads; cached scores agree.
+    from click.testing import CliRunner
+
+    from bench.merging.__main__ import main
+
+    args = [
+        "score",
+        str(config),
+        manifest["experts"]["mood"],
+        "--cache-dir",
+        str(root / "cache"),
+        "--task",
+        "mood",
+    ]
+    scored = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert scored.exit_code == 0, scored.output
+    assert f"mood {100 * results['indiv_validation']['mood']:.1f}" in scored.output
+
+
+def test_experts_are_deterministic(tiny_run, tmp_path):
+    """A second cache gets bit-identical expert weights (seeded order, dropout, threads)."""
+    from conftest import load_weights
+
+    from bench.merging.config import load_config
+    from bench.merging.pipeline import run_benchmark
+
+    root, config_path = tiny_run
+    config = load_config(config_path)
+    config.tasks = config.tasks[:1]
+    run_benchmark(config, tmp_path / "cache", tmp_path / "results", until="experts")
+    manifest = json.loads((tmp_path / "cache" / "runs" / "smoke" / "manifest.json").read_text())
+    reference = json.loads((root / "cache" / "runs" / "smoke" / "manifest.json").read_text())
+    assert Path(manifest["experts"]["mood"]).name == Path(reference["experts"]["mood"]).name
+    ours, theirs = load_weights(manifest["experts"]["mood"]), load_weights(reference["experts"]["mood"])
+    assert ours.keys() == theirs.keys()
+    assert all(bool((ours[k] == theirs[k]).all()) for k in ours)
+
+
+def test_interrupted_expert_resumes_to_identical_weights(tiny_run, tmp_path, monkeypatch):
+    """Stop fine-tuning after 3 of 6 steps (checkpoint every 2), resume: same weights as uninterrupted."""
+    import shutil
+
+    from conftest import load_weights
+
+    import bench.merging.finetune as finetune
+    from bench.merging.config import load_config
+    from bench.merging.pipeline import run_benchmark
+
+    root, config_path = tiny_run
+    config = load_config(config_path)
+    config.tasks = config.tasks[:1]
+    cache = tmp_path / "cache"
+    shutil.copytree(root / "cache", cache)
+    reference = json.loads((root / "cache" / "runs" / "smoke" / "manifest.json").read_text())["experts"][
+        "mood"
+    ]
+    shutil.rmtree(cache / "experts" / Path(reference).name)
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_at(step):
+        if step == 2:
+            raise Interrupted
+
+    original = finetune.train_loop
+    monkeypatch.setattr(
+        finetune,
+        "train_loop",
+        lambda *a, **k: original(*a[:5], checkpoint_every=2, progress=None, on_step=stop_at),
+    )
+    with pytest.raises(Interrupted):
+        run_benchmark(config, cache, tmp_path / "results", until="experts")
+    partial = cache / "experts" / (Path(reference).name + ".partial")
+    assert (partial / "resume-state.ckpt").is_file()
+
+    monkeypatch.setattr(finetune, "train_loop", original)
+    run_benchmark(config, cache, tmp_path / "results", until="experts")
+    resumed = cache / "experts" / Path(reference).name
+    assert json.loads((resumed / "done.json").read_text())["info"]["resumed_at_step"] == 2
+    assert not (resumed / "resume-state.ckpt").exists() and not partial.exists()
+    ours, theirs = load_weights(resumed), load_weights(reference)
+    assert all(bool((ours[k] == theirs[k]).all()) for k in theirs)
+
+
+def test_modified_expert_is_rebuilt_not_trusted(tiny_run, tmp_path):
+    import shutil
+
+    from bench.merging.config import load_config
+    from bench.merging.pipeline import run_benchmark
+
+    root, config_path = tiny_run
+    config = load_config(config_path)
+    config.tasks = config.tasks[:1]
+    cache = tmp_path / "cache"
+    shutil.copytree(root / "cache", cache)
+    manifest = json.loads((root / "cache" / "runs" / "smoke" / "manifest.json").read_text())
+    expert = cache / "experts" / Path(manifest["experts"]["mood"]).name
+    (expert / "model.safetensors").write_bytes(b"corrupt")
+    run_benchmark(config, cache, tmp_path / "results", until="experts")
+    assert (expert / "model.safetensors").stat().st_size > 1000
+
+
+def test_bad_config_is_one_line_error(tmp_path):
+    path = tmp_path / "bad.yml"
+    path.write_text("name: x\ntasks: [{name: t, jsonl: relative.jsonl}]\n")
+    result = run_cli(path, tmp_path)
+    assert result.exit_code != 0
+    assert result.output.strip().startswith("mergekit-bmm: error: benchmark config")
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
+    """Phase 2 on the tiny run: an anchor grid, mergekit-bmm-stats, BMM searches and the ablation.
+
+    The search's own validation score of its best trial must equal the benchmark's score of
+    ``best/`` on the same subsets: both go through the one classification scorer.
+    """
+    import shutil
+
+    root, config_path = tiny_run
+    config = yaml.safe_load(config_path.read_text())
+    config.update(
+        {
+            "evaluation": {"validation_limit": 12, "test_limit": 20},
+            "anchors": [{"name": "tsv", "method": "tsv", "grid": {"alpha": [0.5, 1.0]}}],
+            "stats": {"max_samples": 4},
+            "search": {
+                "anchors": ["task_arithmetic"],
+                "settings": ["data_free", "data_assisted"],
+                "blocks": 1,
+                "groups": ["attn_in+attn_out", "mlp_in+mlp_out"],
+                "budget": 2,
+                "n_initial": 1,
+            },
+            "ablation": {"anchor": "task_arithmetic", "setting": "data_free", "strategies": ["grid"]},
+        }
+    )
+    phase2 = tmp_path / "phase2.yml"
+    phase2.write_text(yaml.safe_dump(config))
+    if (root / "cache").is_dir():  # reuse the first test's data, heads and experts when it ran
+        shutil.copytree(root / "cache", tmp_path / "cache")
+    result = run_cli(phase2, tmp_path)
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results" / "smoke" / "results.json").read_text())
+    cells = {(row["anchor"], row["setting"]): row for row in results["rows"]}
+    assert set(cells) == {
+        ("pretrained", "anchor"),
+        ("task_arithmetic", "anchor"),
+        ("tsv", "anchor"),
+        ("task_arithmetic", "data_free"),
+        ("task_arithmetic", "data_assisted"),
+    }
+    assert cells[("tsv", "anchor")]["hyperparameters"]["alpha"] in (0.5, 1.0)
+    for setting in ("data_free", "data_assisted"):
+        row = cells[("task_arithmetic", setting)]
+        assert row["budget"] == 2 and set(row["hyperparameters"]["best_values"])
+        assert abs(row["hyperparameters"]["search_validation"] - row["validation_avg"]) < 1e-3
+    assert [r["strategy"] for r in results["ablation"]["rows"]] == ["grid", "bo"]
+    text = (tmp_path / "results" / "smoke" / "results.md").read_text()
+    assert "Table 1 in kind" in text and "Table 3 in kind" in text and "Table 5 in kind" in text
+    assert (tmp_path / "results" / "smoke" / "per_anchor.png").stat().st_size > 0
+
+    again = run_cli(phase2, tmp_path)  # every cell is cached: nothing is merged or searched again
+    assert again.exit_code == 0, again.output
+    assert (
+        json.loads((tmp_path / "results" / "smoke" / "results.json").read_text())["rows"] == results["rows"]
+    )
