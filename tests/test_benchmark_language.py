@@ -92,3 +92,22 @@ def test_language_table():
     )
     assert "| pretrained (lm) | 50.0 / 25.0 | 100.0 / 75.0 | 50.0 |" in text
     assert "task_arithmetic (weight 0.5)" in text and "0.5: 75.0" in text
+
+
+def test_language_table_lists_every_anchor_and_its_bmm_row():
+    from bench.merging.report import language_markdown
+
+    scores = {"a": {"validation": 0.5, "test": 0.25}}
+    better = {"a": {"validation": 0.6, "test": 0.5}}
+    bmm = {"budget": 4, "best_values": {"block0.scale": 1.2}, "scores": better}
+    text = language_markdown(
+        {
+            "model": "lm",
+            "tasks": ["a"],
+            "pretrained": scores,
+            "indiv": scores,
+            "anchors": {"ties": {"parameter": "lambda", "value": 0.6, "scores": scores, "bmm": bmm}},
+        }
+    )
+    assert "| ties (lambda 0.6) | 50.0 / 25.0 | 25.0 |" in text
+    assert "| ties + BMM (data-free, K=4; block0.scale=1.2) | 60.0 / 50.0 | 50.0 |" in text

@@ -190,9 +190,12 @@ class LanguageSpec(_Strict):
     eval_batch_size: int = Field(default=16, ge=1)
     eval_limit: int | None = Field(default=None, ge=1, description="lm-eval documents per split (None = all)")
     task_arithmetic_weights: list[float] = Field(default=[0.3, 0.5, 0.7], min_length=1)
+    anchors: list[AnchorSpec] = Field(
+        default_factory=list, description="anchors besides Task Arithmetic, tuned on validation like it"
+    )
     search: SearchSpec = Field(
         default_factory=lambda: SearchSpec(budget=0, n_initial=1),
-        description="BMM (data-free) over the tuned TA merge, searched with lm-eval; budget 0 = off",
+        description="BMM (data-free) over each tuned anchor, searched with lm-eval; budget 0 = off",
     )
 
 

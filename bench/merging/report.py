@@ -387,6 +387,13 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
+def _bmm_label(anchor: str, bmm: dict[str, Any]) -> str:
+    values = ", ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in (bmm["best_values"] or {}).items()
+    )
+    return f"{anchor} + BMM (data-free, K={bmm['budget']}; {values})"
+
+
 def language_markdown(language: dict[str, Any]) -> str:
     """The language track's table: accuracy (%) per task, validation / test."""
     tasks = language["tasks"]
@@ -403,12 +410,12 @@ def language_markdown(language: dict[str, Any]) -> str:
         ta = language["task_arithmetic"]
         lines.append(row(f"task_arithmetic (weight {ta['weight']})", ta["scores"]))
     if "bmm" in language:
-        bmm = language["bmm"]
-        values = ", ".join(
-            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-            for k, v in (bmm["best_values"] or {}).items()
-        )
-        lines.append(row(f"task_arithmetic + BMM (data-free, K={bmm['budget']}; {values})", bmm["scores"]))
+        lines.append(row(_bmm_label("task_arithmetic", language["bmm"]), language["bmm"]["scores"]))
+    for name, anchor in language.get("anchors", {}).items():
+        tuned = f"{anchor['parameter']} {anchor['value']}" if anchor.get("parameter") else "defaults"
+        lines.append(row(f"{name} ({tuned})", anchor["scores"]))
+        if "bmm" in anchor:
+            lines.append(row(_bmm_label(name, anchor["bmm"]), anchor["bmm"]["scores"]))
     lines.append(row("Indiv. (each expert on its task)", language["indiv"]))
     limit = language.get("eval_limit")
     text = (

@@ -14,6 +14,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from bench.merging.anchors import materialise, tune_anchor
 from bench.merging.cache import ScoreCache, write_json
 from bench.merging.config import RunConfig
 from bench.merging.language.convert import prepare_language_model
@@ -95,9 +96,20 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
     out["task_arithmetic"] = {"weight": best, "validation_sweep": sweep, "scores": summarize(scores)}
     if work.exists():
         shutil.rmtree(work)
+    expert_dirs = [experts[t.name] for t in tasks]
     if spec.search.budget > 0:
-        out["bmm"] = _bmm_over_task_arithmetic(
-            config, cache_dir, model_dir, recipe, [experts[t.name] for t in tasks], tasks, include, timings
+        anchor_dir = (
+            cache_dir / "language" / "anchors" / f"task_arithmetic-{recipe_key(recipe).split(':')[1][:12]}"
+        )
+        anchor_dir.parent.mkdir(parents=True, exist_ok=True)
+        anchor_dir, _ = materialise(recipe, anchor_dir)
+        out["bmm"] = _bmm_over_anchor(
+            config, cache_dir, model_dir, "task_arithmetic", anchor_dir, expert_dirs, tasks, include, timings
+        )
+    out["anchors"] = {}
+    for anchor_spec in spec.anchors:
+        out["anchors"][anchor_spec.name] = _tuned_anchor(
+            config, cache_dir, anchor_spec, model_dir, expert_dirs, tasks, include, timings
         )
     out["timings"] = timings
     write_json(
@@ -115,22 +127,69 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _bmm_over_task_arithmetic(
-    config: RunConfig, cache_dir: Path, model_dir: Path, ta_recipe, experts, tasks, include, timings
+def _tuned_anchor(
+    config: RunConfig, cache_dir: Path, anchor_spec, model_dir: Path, experts, tasks, include, timings
 ) -> dict[str, Any]:
-    """Data-free BMM over the tuned TA merge, λ/s from ``mergekit-bmm-search`` with lm-eval."""
-    from bench.merging.anchors import materialise
+    """An anchor's own scale tuned on validation (as for the encoder track), its test scores, and
+    data-free BMM over it when the language search is on."""
+    spec = config.language
+    cache = ScoreCache(cache_dir)
+    limit, batch = spec.eval_limit, spec.eval_batch_size
+    work = cache_dir / "language" / "merges" / "work"
+
+    def merge_and_score(recipe, jobs, _folder):
+        started = time.time()
+        scores = _merge_and_score(recipe, jobs, include, cache, batch, limit, work, {})
+        return {"scores": scores, "merge_seconds": round(time.time() - started, 1)}
+
+    tuned = tune_anchor(
+        anchor_spec,
+        model_dir,
+        experts,
+        None,
+        merge_and_score,
+        [(t, "validation") for t in tasks],
+        cache_dir / "language",
+        config.name,
+    )
+    if work.exists():
+        shutil.rmtree(work)
+    jobs = [(t, s) for t in tasks for s in ("validation", "test")]
+    scores, _ = score_lm(tuned["key"], tuned["folder"], jobs, include, cache, batch, limit)
+    setting = f"{tuned['parameter']}={tuned['value']}"
+    say(f"LM {anchor_spec.name:<14s} {setting} validation avg {tuned['validation']:.4f}")
+    out = {
+        "method": anchor_spec.method,
+        "parameter": tuned["parameter"],
+        "value": tuned["value"],
+        "validation_sweep": tuned["sweep"],
+        "scores": summarize(scores),
+    }
+    if spec.search.budget > 0:
+        out["bmm"] = _bmm_over_anchor(
+            config, cache_dir, model_dir, anchor_spec.name, tuned["folder"], experts, tasks, include, timings
+        )
+    return out
+
+
+def _bmm_over_anchor(
+    config: RunConfig,
+    cache_dir: Path,
+    model_dir: Path,
+    anchor: str,
+    anchor_dir: Path,
+    experts,
+    tasks,
+    include,
+    timings,
+) -> dict[str, Any]:
+    """Data-free BMM over a kept anchor merge, λ/s from ``mergekit-bmm-search`` with lm-eval."""
     from bench.merging.cache import stable_key
     from bench.merging.searches import bmm_template, run_search, search_config
 
     spec = config.language
     cache = ScoreCache(cache_dir)
     limit, batch = spec.eval_limit, spec.eval_batch_size
-    anchor_dir = (
-        cache_dir / "language" / "anchors" / f"task_arithmetic-{recipe_key(ta_recipe).split(':')[1][:12]}"
-    )
-    anchor_dir.parent.mkdir(parents=True, exist_ok=True)
-    anchor_dir, _ = materialise(ta_recipe, anchor_dir)
     template = bmm_template(model_dir, experts, anchor_dir, "data_free", None)
     evaluator = {
         "type": "lm_eval",
@@ -142,19 +201,20 @@ def _bmm_over_task_arithmetic(
     }
     search = search_config(spec.search, template, evaluator, "bo")
     key = stable_key({k: v for k, v in search.items() if k != "budget"})
-    folder = cache_dir / "searches" / config.name / f"language-task_arithmetic-data_free-{key}"
-    say(f"LM bmm    search over task_arithmetic (K={spec.search.budget}) -> {folder}")
+    folder = cache_dir / "searches" / config.name / f"language-{anchor}-data_free-{key}"
+    say(f"LM bmm    search over {anchor} (K={spec.search.budget}) -> {folder}")
     outcome = run_search(search, folder, spec.search.threads)
     import yaml
 
     best = yaml.safe_load(outcome["best_yml"].read_text(encoding="utf-8"))
     jobs = [(t, s) for t in tasks for s in ("validation", "test")]
     scores, _ = score_lm(recipe_key(best), outcome["best_dir"], jobs, include, cache, batch, limit)
-    timings["bmm_search_merge_seconds"] = outcome["times"]["merge"]
-    timings["bmm_search_evaluate_seconds"] = outcome["times"]["evaluate"]
-    timings["bmm_search_surrogate_seconds"] = outcome["times"]["surrogate"]
+    prefix = "bmm_search" if anchor == "task_arithmetic" else f"bmm_{anchor}_search"
+    timings[f"{prefix}_merge_seconds"] = outcome["times"]["merge"]
+    timings[f"{prefix}_evaluate_seconds"] = outcome["times"]["evaluate"]
+    timings[f"{prefix}_surrogate_seconds"] = outcome["times"]["surrogate"]
     return {
-        "anchor": "task_arithmetic",
+        "anchor": anchor,
         "setting": "data_free",
         "budget": outcome["trials"],
         "best_values": outcome["best_values"],
