@@ -83,9 +83,9 @@ def _table(report: dict) -> str:
     lines = [f"ensemble of {report['members']} samples (20-bin ECE)", header, "─" * len(header)]
     rows = list(report["tasks"].items()) + [("mean", report["mean"])]
     for name, row in rows:
-        map_row = report["map"]["tasks"].get(name) if report["map"] and name != "mean" else None
-        if report["map"] and name == "mean":
-            map_row = report["map"]["mean"]
+        map_row = None
+        if report["map"]:
+            map_row = report["map"]["mean"] if name == "mean" else report["map"]["tasks"].get(name)
         examples = f"{row['examples']:>8}" if "examples" in row else " " * 8
         tail = f"{map_row['accuracy']:>7.4f} {map_row['ece']:>7.4f}" if map_row else f"{'–':>7} {'–':>7}"
         lines.append(

@@ -137,9 +137,14 @@ def _tuned_anchor(
     limit, batch = spec.eval_limit, spec.eval_batch_size
     work = cache_dir / "language" / "merges" / "work"
 
-    def merge_and_score(recipe, jobs, _folder):
+    def merge_and_score(recipe, jobs, folder):
+        """A lone grid point is merged straight into its kept folder, as ``tune_anchor`` asks."""
         started = time.time()
-        scores = _merge_and_score(recipe, jobs, include, cache, batch, limit, work, {})
+        if folder is None:
+            scores = _merge_and_score(recipe, jobs, include, cache, batch, limit, work, {})
+        else:
+            folder, _ = materialise(recipe, folder)
+            scores, _ = score_lm(recipe_key(recipe), folder, jobs, include, cache, batch, limit)
         return {"scores": scores, "merge_seconds": round(time.time() - started, 1)}
 
     tuned = tune_anchor(
