@@ -51,11 +51,13 @@ def _timed(function, repeats: int) -> float:
 def main(hidden: int, layers: int, repeats: int) -> None:
     import yaml
 
-    import mergekit_bmm  # noqa: F401  (registers bmm, installs the card hook)
-    from mergekit_bmm.card import merge_card, record_merge
-    from mergekit_bmm.fingerprint import weight_files
-    from mergekit_bmm.publish import check_folder
-    from mergekit_bmm.tiny_models import make_tiny_family
+    from mergekit_bmm.plugin import activate
+
+    activate()
+    from mergekit_bmm.cards.card import merge_card, record_merge
+    from mergekit_bmm.cards.publish import check_folder
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
+    from mergekit_bmm.io.fingerprint import weight_files
 
     with tempfile.TemporaryDirectory() as root:
         root = Path(root)

@@ -52,7 +52,27 @@ def _search(family, strategy: str, budget: int, blocks: int, acq_optimizer: str,
     config = parse_search_config(raw, out.parent)
     started = time.perf_counter()
     result = run_search(config, out, SearchOptions(device="cpu", progress=False, skip_best=True, plots=False))
-    return result, time.perf_counter() - started
+    return result, time.perf_counter() - started, config
+
+
+def _resume_costs(config, finished: Path) -> list[tuple[str, float]]:
+    """Seconds to resume ``finished`` and run one more trial: from the proposer's snapshot, and
+    by replaying the whole log through a fresh optimiser (snapshot removed)."""
+    from mergekit_bmm.search import SearchOptions, run_search
+
+    longer = config.model_copy(update={"budget": config.budget + 1})
+    rows = []
+    for label, keep in (("snapshot (proposer.pkl)", True), ("replay of trials.jsonl", False)):
+        folder = finished.with_name(f"{finished.name}-resume-{'snapshot' if keep else 'replay'}")
+        shutil.copytree(finished, folder)
+        if not keep:
+            (folder / "proposer.pkl").unlink()
+        options = SearchOptions(device="cpu", progress=False, skip_best=True, plots=False)
+        started = time.perf_counter()
+        result = run_search(longer, folder, options)
+        new = result.records[-1].time
+        rows.append((label, time.perf_counter() - started - new["merge"] - new["evaluate"]))
+    return rows
 
 
 def _in_memory_merge(text: str, model):
@@ -84,10 +104,11 @@ def _in_memory_merge(text: str, model):
 def _merge_routes(family, work: Path, repeats: int) -> list[tuple[str, float, float]]:
     from transformers import AutoModelForCausalLM
 
-    from mergekit_bmm.recipe import weight_names_of
+    from mergekit_bmm.io.model_folder import weight_names_of
+    from mergekit_bmm.recipes.run import merge_recipe_text as merge_text
     from mergekit_bmm.search import parse_search_config
     from mergekit_bmm.search.space import SearchSpace
-    from mergekit_bmm.search.trial import TrialRecipes, merge_text
+    from mergekit_bmm.search.trial_recipes import TrialRecipes
 
     recipe = {
         "merge_method": "bmm",
@@ -142,7 +163,7 @@ def main(budget: int, hidden: int, layers: int, blocks: int, repeats: int) -> No
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
 
-    from mergekit_bmm.tiny_models import make_tiny_family
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -156,12 +177,14 @@ def main(budget: int, hidden: int, layers: int, blocks: int, repeats: int) -> No
     runs = [("random", "auto"), ("grid", "auto"), ("bo", "sampling"), ("bo", "lbfgs")]
     rows = []
     for strategy, acq in runs:
-        result, wall = _search(family, strategy, budget, blocks, acq, work / f"{strategy}-{acq}")
+        result, wall, config = _search(family, strategy, budget, blocks, acq, work / f"{strategy}-{acq}")
+        if (strategy, acq) == ("bo", "sampling"):
+            resumed = _resume_costs(config, work / f"{strategy}-{acq}")
         records = result.records
         mean = {k: statistics.mean(r.time[k] for r in records) for k in ("merge", "evaluate", "surrogate")}
         last = statistics.mean(r.time["surrogate"] for r in records[-5:])
         label = strategy if strategy != "bo" else f"bo (EI, acq_optimizer={acq})"
-        rows.append((label, mean, last, wall / len(records), result.summary["best_score"]))
+        rows.append((label, mean, last, wall / len(records), result.summary.best_score))
     baseline = rows[0][3]
     header = (
         f"{'strategy':<34} {'merge':>7} {'evaluate':>9} {'GP':>7} {'GP last5':>9} {'wall/trial':>11}"
@@ -180,6 +203,14 @@ def main(budget: int, hidden: int, layers: int, blocks: int, repeats: int) -> No
         "wall/trial includes writing the trial YAML, the log line (fsync) and summary.json; "
         "GP = ask + tell (fit and acquisition)."
     )
+
+    click.echo(f"\nresuming the finished bo (sampling) search of {budget} trials for one more trial")
+    header = f"{'optimiser state from':<30} {'seconds':>8} {'per logged trial':>17} {'ratio':>7}"
+    click.echo(header)
+    click.echo("-" * len(header))
+    for label, seconds in resumed:
+        click.echo(f"{label:<30} {seconds:>8.2f} {seconds / budget:>17.3f} {seconds / resumed[0][1]:>6.1f}x")
+    click.echo("seconds: the resumed run's wall time less the new trial's merge and evaluation.")
 
     click.echo(f"\nmerge route, median of {repeats} merges of one trial recipe")
     header = f"{'route':<68} {'seconds':>8} {'ratio':>7}"

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import shutil
 import statistics
@@ -42,52 +41,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from mergekit.merge_methods.base import TensorGroup  # noqa: E402
 
+from bench.common import ensure_llama_family, gemm_floor, solved_shapes, status_mib  # noqa: E402
+
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mergekit-bmm" / "bench"
-
-
-# -- model family -----------------------------------------------------------------------
-def ensure_family(root: Path, hidden: int, intermediate: int, layers: int, experts: int) -> dict:
-    """Base + experts as bfloat16 safetensors under ``root`` (generated once, then reused)."""
-    spec = {"hidden": hidden, "intermediate": intermediate, "layers": layers, "experts": experts, "v": 1}
-    folder = root / "family-{hidden}-{intermediate}-{layers}-{experts}".format(**spec)
-    marker = folder / "family.json"
-    if marker.is_file() and json.loads(marker.read_text()) == spec:
-        return {"base": folder / "base", "experts": [folder / f"expert-{i}" for i in range(experts)]}
-    import transformers
-    from transformers.utils import logging as hf_logging
-
-    from mergekit_bmm.tiny_models import build_tokenizer, perturb_as_expert
-
-    hf_logging.disable_progress_bar()
-    print(f"generating the benchmark model family in {folder} (once) ...", flush=True)
-    shutil.rmtree(folder, ignore_errors=True)
-    tokenizer = build_tokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    # The base as stored: rounded to bfloat16, so experts differ from it only by their update.
-    base = transformers.LlamaForCausalLM(config).eval().to(torch.bfloat16).float()
-    paths = {"base": folder / "base", "experts": [folder / f"expert-{i}" for i in range(experts)]}
-    for index, path in enumerate([paths["base"], *paths["experts"]]):
-        model = copy.deepcopy(base)
-        if index > 0:
-            perturb_as_expert(model, seed=1000 + index)
-        model.to(torch.bfloat16).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        del model
-    marker.write_text(json.dumps(spec))
-    return paths
 
 
 def recipe(family: dict, **parameters) -> dict:
@@ -102,13 +58,6 @@ def recipe(family: dict, **parameters) -> dict:
 
 
 # -- measuring ----------------------------------------------------------------------------
-def _status_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 class Phase:
     """Repeated timings of one phase, with its peak memory.
 
@@ -131,7 +80,7 @@ class Phase:
 
         def sample() -> None:
             while not done.wait(0.005):
-                private[0] = max(private[0], _status_mib("RssAnon"))
+                private[0] = max(private[0], status_mib("RssAnon"))
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -141,8 +90,8 @@ class Phase:
         done.set()
         sampler.join()
         self.times.append(elapsed)
-        self.peak_rss = max(self.peak_rss, _status_mib("VmHWM"))
-        self.peak_private = max(self.peak_private, private[0], _status_mib("RssAnon"))
+        self.peak_rss = max(self.peak_rss, status_mib("VmHWM"))
+        self.peak_private = max(self.peak_private, private[0], status_mib("RssAnon"))
         return elapsed
 
     @property
@@ -166,45 +115,20 @@ def merge(config: dict, out: Path) -> None:
 
 def register_io_floor() -> None:
     """A kernel that returns ``W_pre``: what mergekit itself costs per trial."""
-    from mergekit.merge_methods import registry
+    from mergekit.merge_methods import register
     from mergekit.merge_methods.base import BasePolicy, InputContract
     from mergekit.merge_methods.easy_define import merge_method
 
-    if "bench_io_floor" in registry._METHODS:
+    from mergekit_bmm.plugin.registration import registered_names
+
+    if "bench_io_floor" in registered_names():
         return
 
     @merge_method(name="bench_io_floor", contract=InputContract(base=BasePolicy.REQUIRED, min_non_base=1))
     def io_floor(group: TensorGroup) -> torch.Tensor:
         return group.base.tensor
 
-    registry.register(io_floor)
-
-
-def solved_shapes(base_dir: Path) -> list[tuple[str, int, int]]:
-    """(name, out, in) of every weight bmm solves."""
-    from mergekit_bmm.checkpoint import iter_tensors
-    from mergekit_bmm.module_map import classify
-
-    shapes = []
-    for name, tensor in iter_tensors(base_dir):
-        if tensor.ndim == 2 and classify(name, "llama") is not None:
-            shapes.append((name, *tensor.shape))
-    return shapes
-
-
-def gemm_floor(shapes, repeats: int) -> float:
-    """Minimum over ``repeats`` of the summed ``(out × in) @ (in × in)`` products."""
-    totals = []
-    for _ in range(repeats):
-        total = 0.0
-        for _, out_features, in_features in shapes:
-            coefficients = torch.randn(out_features, in_features)
-            basis = torch.randn(in_features, in_features)
-            start = time.perf_counter()
-            coefficients @ basis.T
-            total += time.perf_counter() - start
-        totals.append(total)
-    return min(totals)
+    register(io_floor)
 
 
 def directory_bytes(path: Path) -> int:
@@ -220,7 +144,7 @@ def accuracy(family: dict, shapes, precisions: list[str], scratch: Path) -> dict
     from mergekit.merge_methods.api import merge_tensors
     from safetensors import safe_open
 
-    from mergekit_bmm.checkpoint import safetensors_files
+    from mergekit_bmm.io.checkpoint import safetensors_files
 
     def read(model_dir: Path, name: str) -> torch.Tensor:
         for path in safetensors_files(model_dir):
@@ -271,10 +195,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    import mergekit_bmm  # noqa: F401  (registers bmm)
+    from mergekit_bmm.plugin import activate
+
+    activate()
 
     register_io_floor()
-    family = ensure_family(args.cache_dir, args.hidden, args.intermediate, args.layers, args.experts)
+    family = ensure_llama_family(args.cache_dir, args.hidden, args.intermediate, args.layers, args.experts)
     shapes = solved_shapes(family["base"])
     solved_elements = sum(o * i for _, o, i in shapes)
     scratch = args.cache_dir / "scratch"

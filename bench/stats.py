@@ -42,7 +42,9 @@ def _job(kind: str, spec: dict, queue) -> None:
     from mergekit.options import MergeOptions
     from transformers.utils import logging as hf_logging
 
-    import mergekit_bmm  # noqa: F401
+    from mergekit_bmm.plugin import activate
+
+    activate()
     from mergekit_bmm.stats.collect import collect_statistics
     from mergekit_bmm.stats.config import parse_stats_config
 
@@ -80,7 +82,7 @@ def measure(kind: str, spec: dict) -> dict | None:
 
 
 def write_data(path: Path, lines: int, offset: int) -> Path:
-    from mergekit_bmm.tiny_models import _CORPUS
+    from mergekit_bmm.examples.tiny_models import _CORPUS
 
     with open(path, "w", encoding="utf-8") as handle:
         for index in range(lines):
@@ -117,7 +119,7 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    from mergekit_bmm.tiny_models import make_tiny_family
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
 
     root = args.out or Path(tempfile.mkdtemp(prefix="bench-stats-"))
     cases = [(a, n) for a in args.architectures for n in args.layers]

@@ -1,14 +1,19 @@
-"""Bayesian Model Merging (BMM) as mergekit merge methods.
+"""Bayesian Model Merging (BMM) for mergekit.
 
-Importing the package registers ``bmm`` with mergekit (installed wheels also do so at
-start-up, so the stock ``mergekit-yaml`` knows it) and installs the model-card hook.
+Importing the package has no side effects: the mathematics (``mergekit_bmm.core``,
+``mergekit_bmm.anchors``) works without mergekit. mergekit learns about ``bmm`` through
+the start-up hook an installed wheel ships, or through :func:`activate`.
 """
 
-from mergekit_bmm import card_hook
-from mergekit_bmm.registration import register_all
+from __future__ import annotations
 
-__version__ = "0.1.0"
-REGISTERED_METHODS = register_all()
-card_hook.install()  # BMM merges get mergekit-bmm's model card (see card_hook)
+from importlib.metadata import PackageNotFoundError, version
 
-__all__ = ["REGISTERED_METHODS", "__version__"]
+from mergekit_bmm.plugin import activate
+
+try:
+    __version__ = version("mergekit-bmm")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = ["__version__", "activate"]

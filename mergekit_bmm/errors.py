@@ -2,15 +2,21 @@
 
 Every problem caused by the user's input (a recipe, a statistics directory, a search
 config) raises a subclass of :class:`BMMError` whose message says what is wrong, where,
-and how to fix it. Command-line entry points, including the stock ``mergekit-yaml``
-through the start-up hook, print such errors as a single line instead of a traceback.
+and how to fix it; bad input that a library detects first (PyYAML, pydantic, mergekit,
+the Hub client, the OS) is turned into the same kind of line. Command-line entry points,
+including the stock ``mergekit-yaml`` through the start-up hook, print one line instead
+of a traceback; an error no check foresaw gets one line too, its traceback kept in a file
+(docs/errors.md).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import TracebackType
 
 
@@ -32,31 +38,43 @@ class StatisticsError(BMMError, ValueError):
     """Activation statistics are missing, stale or incompatible."""
 
 
+class NonFiniteOutputError(BMMError, ArithmeticError):
+    """A merged tensor came out NaN or Inf; it is refused instead of written."""
+
+
 class PublishError(BMMError):
     """A folder cannot be published as it is (no card, changed weights, Hub refusal, ...)."""
 
 
-def one_line(error: BaseException) -> str:
-    """The user-facing line for an error: messages are flattened to one line."""
+SHOWN_CHARACTERS = 80
+LINE_CHARACTERS = 1200
+
+
+def shown(value: object, limit: int = SHOWN_CHARACTERS) -> str:
+    """``repr(value)`` cut to a readable length: a message never echoes unbounded input."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 20]}… ({len(text)} characters)"
+
+
+def one_line(error: BaseException | str) -> str:
+    """The user-facing line for an error: flattened to one line, and cut if a library's
+    message echoes a huge value."""
     text = " ".join(str(error).split())
+    if len(text) > LINE_CHARACTERS:
+        text = f"{text[: LINE_CHARACTERS - 40]} … [{len(text) - LINE_CHARACTERS + 40} characters cut]"
     return f"mergekit-bmm: error: {text}"
 
 
 def _find_bmm_error(error: BaseException | None) -> BMMError | None:
-    """Our error, even when a library wrapped it (pydantic, mergekit's executor).
-
-    mergekit's own check of input shapes runs before our kernel; its message already
-    names the tensor and the shapes, so it is shown the same way.
-    """
+    """Our error, even when a library wrapped it (pydantic, mergekit's executor), or a
+    library's report of bad input (:func:`_library_error`) turned into ours."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, BMMError):
             return error
-        if isinstance(error, ValueError) and str(error).startswith("Tensor size mismatch"):
-            return TensorInputError(
-                f"{error} The inputs are not fine-tunes of one architecture; check the model paths."
-            )
         # pydantic's ValidationError keeps the original exception in its details.
         errors = getattr(error, "errors", None)
         if callable(errors):
@@ -67,26 +85,130 @@ def _find_bmm_error(error: BaseException | None) -> BMMError | None:
                         return ctx_error
             except Exception:
                 pass
+        translated = _library_error(error)
+        if translated is not None:
+            return translated
         error = error.__cause__ or error.__context__
     return None
+
+
+_SHAPES = re.compile(r"\((\d+(?:, \d+)*),?\)")
+
+
+def _size_mismatch(error: ValueError) -> TensorInputError:
+    """mergekit's shape check in a line that names the tensor and the shapes. Its advice about
+    vocabulary axes is kept for embeddings; elsewhere the models' hidden sizes were already found
+    equal before the merge (:mod:`mergekit_bmm.recipes.preflight`), so a checkpoint disagrees
+    with its own config or the inputs are not fine-tunes of one base."""
+    text = " ".join(str(error).split())
+    name = text.removeprefix("Tensor size mismatch for ").split(":", 1)[0]
+    if any(part in name for part in ("embed", "lm_head", "wte", "word_embeddings")):
+        return TensorInputError(text)
+    shapes = sorted({tuple(int(n) for n in match.split(", ")) for match in _SHAPES.findall(text)})
+    listed = " vs ".join(str(shape) for shape in shapes)
+    return TensorInputError(
+        f"tensor {name} has different shapes in the inputs ({listed}): a checkpoint does not match its "
+        "config.json, or the models are not fine-tunes of one base model; check the model paths"
+    )
+
+
+def _library_error(error: BaseException) -> BMMError | None:
+    """Bad input that mergekit, PyYAML, pydantic, the Hub client or the OS detected, as one line."""
+    import yaml
+
+    if isinstance(error, yaml.YAMLError):
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or " ".join(str(error).split())
+        return ConfigError(f"the recipe is not valid YAML: {problem}{where}; fix the YAML")
+    if type(error).__name__ == "ValidationError" and type(error).__module__.startswith("pydantic"):
+        detail = error.errors()[0]
+        where = ".".join(str(item) for item in detail["loc"])
+        message = detail["msg"].removeprefix("Value error, ")
+        title = getattr(error, "title", "")
+        what = (
+            "the recipe is not a valid mergekit recipe"
+            if title == "MergeConfiguration"
+            else f"invalid {title}"
+        )
+        if not where:
+            return ConfigError(f"{what}: it must be a YAML mapping (merge_method, base_model, models, ...)")
+        return ConfigError(f"{what}: `{where}`: {message} (got {shown(detail.get('input'))})")
+    text = " ".join(str(error).split())
+    if _raised_in(error, ("mergekit", "config.py")):  # mergekit's checks of the recipe itself
+        return ConfigError(f"the recipe is not a valid mergekit recipe: {text}")
+    if isinstance(error, RuntimeError) and text.startswith("Unimplemented merge method"):
+        method = text.removeprefix("Unimplemented merge method").strip()
+        return ConfigError(f"unknown merge_method {shown(method)}; see mergekit-yaml's list of methods")
+    if isinstance(error, ValueError) and text.startswith("Tensor size mismatch"):
+        return _size_mismatch(error)
+    if isinstance(error, OSError) and "Repo id must be in the form" in text:
+        name = text.rsplit(": '", 1)[-1].split("'", 1)[0] if ": '" in text else "a model path"
+        return ConfigError(f"{shown(name)} is neither a local model folder nor a Hub repo id; fix the path")
+    if isinstance(error, OSError) and error.filename and error.strerror:
+        target = error.filename if error.filename2 is None else f"{error.filename} -> {error.filename2}"
+        return ConfigError(f"{error.strerror}: {target}")
+    return None
+
+
+def _raised_in(error: BaseException, parts: tuple[str, ...]) -> bool:
+    """Whether the innermost frame of ``error``'s traceback is the file ending in ``parts``."""
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and Path(frame.tb_frame.f_code.co_filename).parts[-len(parts) :] == parts
+
+
+TRACEBACK_ENV = "MERGEKIT_BMM_TRACEBACK"
+
+
+def wants_traceback(verbose: bool = False) -> bool:
+    """Whether the full traceback goes to the terminal (``-v`` or ``MERGEKIT_BMM_TRACEBACK=1``)."""
+    return verbose or os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
+
+
+def unexpected_line(error: BaseException) -> str:
+    """One line for an error no check foresaw; its full traceback is kept in a file."""
+    import tempfile
+    import time
+    import traceback
+
+    name = f"mergekit-bmm-traceback-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    path = Path(tempfile.gettempdir()) / name
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    try:
+        path.write_text(" ".join(sys.argv) + "\n\n" + text, encoding="utf-8")
+        kept = f"the full traceback is in {path}"
+    except OSError:
+        kept = f"set {TRACEBACK_ENV}=1 to see the traceback"
+    message = " ".join(str(error).split()) or "(no message)"
+    return one_line(f"{type(error).__name__}: {message} — {kept} (or run with {TRACEBACK_ENV}=1)")
 
 
 _previous_hook = None
 
 
 def _excepthook(kind: type[BaseException], error: BaseException, traceback: TracebackType | None) -> None:
-    ours = _find_bmm_error(error)
-    if ours is None:
+    if not issubclass(kind, Exception):
         (_previous_hook or sys.__excepthook__)(kind, error, traceback)
         return
-    print(one_line(ours), file=sys.stderr)
+    ours = _find_bmm_error(error)
+    if ours is None and wants_traceback(_verbose_argv()):
+        (_previous_hook or sys.__excepthook__)(kind, error, traceback)
+        return
+    print(one_line(ours) if ours is not None else unexpected_line(error), file=sys.stderr)
     sys.stderr.flush()
     # sys.excepthook cannot choose the exit status (it is always 1), which is fine:
     # the point is a non-zero exit with a readable line.
 
 
+def _verbose_argv() -> bool:
+    """mergekit's ``-v`` (``-vv`` …) on the command line of a stock mergekit command."""
+    return any(re.fullmatch(r"-v+|--verbose", argument) for argument in sys.argv[1:])
+
+
 def install_excepthook() -> None:
-    """Show our errors as one line in any program that did not catch them."""
+    """Show errors as one line in a mergekit console command that did not catch them."""
     global _previous_hook
     if sys.excepthook is _excepthook:
         return
@@ -100,17 +222,22 @@ def find_bmm_error(error: BaseException) -> BMMError | None:
 
 
 @contextmanager
-def exit_on_bmm_error() -> Iterator[None]:
-    """In a command: our errors (even wrapped by a library) become one stderr line and their exit code.
+def exit_on_bmm_error(verbose: bool = False, interrupted: str = "interrupted") -> Iterator[None]:
+    """In a command: every error becomes one stderr line and a non-zero exit.
 
-    Anything else propagates with its traceback: it is a bug, not bad input.
+    Bad input (ours, or detected by a library) exits with its code (2); anything else
+    exits 1 with its full traceback kept in a file, or printed with ``verbose`` (mergekit's
+    ``-v``) or ``MERGEKIT_BMM_TRACEBACK=1``. Ctrl-C exits 130 with the line ``interrupted``.
     """
     try:
         yield
+    except KeyboardInterrupt:
+        print(f"mergekit-bmm: {interrupted}", file=sys.stderr)
+        sys.exit(130)
     except Exception as error:
         ours = _find_bmm_error(error)
-        if ours is None:
+        if ours is None and wants_traceback(verbose):
             raise
-        print(one_line(ours), file=sys.stderr)
+        print(one_line(ours) if ours is not None else unexpected_line(error), file=sys.stderr)
         sys.stderr.flush()
-        sys.exit(ours.exit_code)
+        sys.exit(ours.exit_code if ours is not None else 1)

@@ -9,28 +9,34 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mergekit_bmm.plugin import activate
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# Tests that call mergekit's Python API directly need the plugin's methods registered,
+# also where the start-up hook is switched off.
+activate()
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-    from mergekit_bmm.tiny_models import make_tiny_family
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
 
     return make_tiny_family(tmp_path_factory.mktemp("llama"), "llama", n_experts=3)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory):
-    from mergekit_bmm.tiny_models import make_tiny_family
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
 
     return make_tiny_family(tmp_path_factory.mktemp("qwen2"), "qwen2", n_experts=3)
 
 
 @pytest.fixture(scope="session")
 def tiny_gpt2(tmp_path_factory):
-    from mergekit_bmm.tiny_models import make_tiny_family
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
 
     return make_tiny_family(tmp_path_factory.mktemp("gpt2"), "gpt2", n_experts=2)
 

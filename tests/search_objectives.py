@@ -1,4 +1,8 @@
-"""Python-callable evaluators used by the search tests (importable as ``search_objectives:...``)."""
+"""Python-callable evaluators used by the search tests (importable as ``search_objectives:...``).
+
+Weight-reading objectives take the live model (``input: model``, the default) or, when called
+directly, a folder; the ones that need the trial's folder name take ``input: folder``.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,15 @@ from pathlib import Path
 
 import torch
 
-from mergekit_bmm.checkpoint import load_state_dict
-from mergekit_bmm.module_map import classify
+from mergekit_bmm.core.module_map import classify
+from mergekit_bmm.io.checkpoint import load_state_dict
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    """The merged weights of a live model, or of a model folder."""
+    if isinstance(model, (str, Path)):
+        return load_state_dict(model)
+    return {name: tensor.detach() for name, tensor in model.state_dict().items()}
 
 
 @lru_cache(maxsize=8)
@@ -17,20 +28,20 @@ def _weights(path: str) -> dict[str, torch.Tensor]:
     return {k: v.double() for k, v in load_state_dict(path).items() if v.ndim == 2 and classify(k)}
 
 
-def distance_to_target(model_dir: Path, target: str, base: str) -> float:
+def distance_to_target(model, tokenizer, target: str, base: str) -> float:
     """Minus the distance of the merged body weights to a target merge's, relative to its update.
 
     The score is 0 exactly at the target's λ/s point and negative elsewhere.
     """
-    merged = {k: v.double() for k, v in load_state_dict(model_dir).items() if k in _weights(target)}
+    merged = {k: v.double() for k, v in _state(model).items() if k in _weights(target)}
     wanted, pre = _weights(target), _weights(base)
     errors = [(merged[k] - wanted[k]).norm() / (wanted[k] - pre[k]).norm() for k in wanted]
     return -float(sum(errors) / len(errors))
 
 
-def per_task_scores(model_dir: Path) -> dict[str, float]:
+def per_task_scores(model, tokenizer=None) -> dict[str, float]:
     """Two "tasks" read from the merged weights (deterministic, for summary checks)."""
-    weights = load_state_dict(model_dir)
+    weights = _state(model)
     attention = [v for k, v in weights.items() if "self_attn" in k and v.ndim == 2]
     mlp = [v for k, v in weights.items() if "mlp" in k and v.ndim == 2]
     return {
@@ -50,7 +61,7 @@ def fails_on(model_dir: Path, trials: list[int], nan: bool = False) -> float:
     return 1.0 + 0.01 * index
 
 
-def returns_text(model_dir: Path) -> str:
+def returns_text(model, tokenizer) -> str:
     return "not a number"
 
 
@@ -59,3 +70,27 @@ def interrupts_on(model_dir: Path, trial: int) -> float:
     if Path(model_dir).name == f"trial-{trial:04d}":
         raise KeyboardInterrupt
     return 1.0
+
+
+def kills_its_worker_once(model, tokenizer, marker: str, on_call: int = 2) -> dict[str, float]:
+    """Scores like ``per_task_scores``, but the process dies (SIGKILL) on its ``on_call``-th call
+    unless ``marker`` exists; it creates the marker first, so the trial's re-run succeeds."""
+    import os
+    import signal
+
+    _calls.append(1)
+    if len(_calls) == on_call and not Path(marker).exists():
+        Path(marker).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return per_task_scores(model, tokenizer)
+
+
+def sleeps(model, tokenizer, seconds: float) -> float:
+    """A slow evaluation (for interrupting a search mid-trial)."""
+    import time
+
+    time.sleep(seconds)
+    return 1.0
+
+
+_calls: list[int] = []

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from mergekit_bmm import __version__
-from mergekit_bmm.fingerprint import model_fingerprint
+from mergekit_bmm.io.fingerprint import model_fingerprint
 from mergekit_bmm.stats.store import GRAM_DIR, StatsManifest, TaskStats, write_grams, write_manifest
 
 
@@ -56,7 +56,7 @@ def stats_for_family(stats_dir: Path, family, seed: int = 0) -> tuple[Path, dict
     """Random Grams for every body weight of a tiny family's experts."""
     from conftest import load_weights
 
-    from mergekit_bmm.module_map import classify
+    from mergekit_bmm.core.module_map import classify
 
     generator = torch.Generator().manual_seed(seed)
     grams: dict[str, list[torch.Tensor]] = {}

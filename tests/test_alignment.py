@@ -12,10 +12,10 @@ import yaml
 from click.testing import CliRunner
 from conftest import load_weights
 
-from mergekit_bmm.alignment import frobenius_cosine, gram_alignment
+from mergekit_bmm.core.module_map import classify
 from mergekit_bmm.errors import StatisticsError
-from mergekit_bmm.fingerprint import model_fingerprint
-from mergekit_bmm.module_map import classify
+from mergekit_bmm.io.fingerprint import model_fingerprint
+from mergekit_bmm.stats.alignment import frobenius_cosine, gram_alignment
 from mergekit_bmm.stats.store import StatsManifest, TaskStats, write_grams, write_manifest
 
 
@@ -99,9 +99,7 @@ def test_align_command_reports_one_for_task_vector_grams(tiny_llama, tmp_path):
     names = write_stats(tmp_path / "stats", tiny_llama, lambda u: u.T @ u)
     recipe = write_recipe(tmp_path / "recipe.yml", tiny_llama)
     out = tmp_path / "report"
-    result = CliRunner().invoke(
-        main, [str(recipe), "--stats", str(tmp_path / "stats"), "--out", str(out), "--quiet"]
-    )
+    result = CliRunner().invoke(main, [str(recipe), "--stats", str(tmp_path / "stats"), str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     assert "task-a" in result.output and "mean over tasks" in result.output
     report = json.loads((out / "alignment.json").read_text())
@@ -111,14 +109,14 @@ def test_align_command_reports_one_for_task_vector_grams(tiny_llama, tmp_path):
     assert (out / "alignment.png").stat().st_size > 1000
     assert (out / "alignment.csv").read_text().count("\n") == len(names) * 3 + 1
 
-    again = CliRunner().invoke(main, [str(recipe), "--stats", str(tmp_path / "stats"), "--out", str(out)])
-    assert again.exit_code != 0 and "--overwrite" in again.output
+    again = CliRunner().invoke(main, [str(recipe), "--stats", str(tmp_path / "stats"), str(out)])
+    assert again.exit_code != 0 and "--force" in again.output
 
 
 @pytest.mark.slow
 def test_align_measures_real_alignment_and_refuses_foreign_statistics(tiny_llama, tmp_path):
-    from mergekit_bmm.alignment import alignment_rows, summarize
     from mergekit_bmm.cli.align import main
+    from mergekit_bmm.stats.alignment import alignment_rows, summarize
 
     # Gram of an unrelated random input distribution: cosine well below 1
     generator = torch.Generator().manual_seed(0)
@@ -138,9 +136,7 @@ def test_align_measures_real_alignment_and_refuses_foreign_statistics(tiny_llama
     runner = CliRunner()
 
     def refused(stats):
-        result = runner.invoke(
-            main, [str(recipe), "--stats", str(stats), "--out", str(tmp_path / "r"), "--quiet"]
-        )
+        result = runner.invoke(main, [str(recipe), "--stats", str(stats), str(tmp_path / "r"), "--quiet"])
         assert result.exit_code != 0
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("mergekit-bmm: error:"), result.output

@@ -19,7 +19,7 @@ from conftest import load_weights, reference_solve, relative_error
 from synthetic_stats import stats_for_family
 
 from mergekit_bmm.anchors import iso_c_merge, iso_cts_merge, regmean_merge, tsv_merge, wudi_merge
-from mergekit_bmm.module_map import classify
+from mergekit_bmm.core.module_map import classify
 
 pytestmark = pytest.mark.slow
 

@@ -63,7 +63,7 @@ def test_mc_task_records_and_lm_eval_yaml(mc_task, tmp_path, monkeypatch):
 
 def test_answer_only_loss_masks_the_prompt():
     from bench.merging.language.lm_finetune import collate, encode_example
-    from mergekit_bmm.tiny_models import build_tokenizer
+    from mergekit_bmm.examples.tiny_models import build_tokenizer
 
     tokenizer = build_tokenizer()
     ids, n_answer = encode_example(tokenizer, "Text: good\nAnswer:", "positive", max_length=64)

@@ -40,7 +40,7 @@ def write_task(path: Path, kind: str, n: int, seed: int, with_split: bool) -> Pa
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    from mergekit_bmm.tiny_models import make_base
+    from mergekit_bmm.examples.tiny_models import make_base
 
     root = tmp_path_factory.mktemp("bench")
     model, tokenizer = make_base("bert", hidden=32, layers=2, seed=0)
@@ -274,7 +274,9 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
                 "groups": ["attn_in+attn_out", "mlp_in+mlp_out"],
                 "budget": 2,
                 "n_initial": 1,
+                "seeds": [0, 1],
             },
+            "sweeps": {"anchor": "task_arithmetic", "lambdas": [0.01, 1.0], "scales": [0.5, 1.5]},
             "ablation": {"anchor": "task_arithmetic", "setting": "data_free", "strategies": ["grid"]},
         }
     )
@@ -297,7 +299,18 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
     for setting in ("data_free", "data_assisted"):
         row = cells[("task_arithmetic", setting)]
         assert row["budget"] == 2 and set(row["hyperparameters"]["best_values"])
-        assert abs(row["hyperparameters"]["search_validation"] - row["validation_avg"]) < 1e-3
+        assert [seed["seed"] for seed in row["seeds"]] == [0, 1]
+        for seed in row["seeds"]:  # the search's score of its best trial is the benchmark's of best/
+            assert abs(seed["search_validation"] - seed["validation_avg"]) < 1e-3
+        estimate, low, high = row["ci"]  # from the per-example scores: the same mean as the table's
+        assert abs(estimate - row["avg"]) < 1e-3 and low <= estimate <= high
+        assert row["delta"][1] <= row["delta"][0] <= row["delta"][2]
+    estimate, low, high = cells[("task_arithmetic", "anchor")]["ci"]
+    assert abs(estimate - cells[("task_arithmetic", "anchor")]["avg"]) < 1e-3 and low <= estimate <= high
+    sweeps = results["sweeps"]["settings"]
+    assert set(sweeps) == {"data_free", "data_assisted"}
+    assert len(sweeps["data_free"]["points"]) == 1 + 4 * 2 + 2  # reference, λ per group, s
+    assert (tmp_path / "results" / "smoke" / "sweeps.png").stat().st_size > 0
     assert [r["strategy"] for r in results["ablation"]["rows"]] == ["grid", "bo"]
     text = (tmp_path / "results" / "smoke" / "results.md").read_text()
     assert "Table 1 in kind" in text and "Table 3 in kind" in text and "Table 5 in kind" in text

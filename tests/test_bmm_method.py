@@ -7,7 +7,6 @@ import torch
 from conftest import reference_solve, relative_error
 from mergekit.merge_methods.api import merge_tensors
 
-import mergekit_bmm  # noqa: F401  (registers bmm)
 from mergekit_bmm.errors import BMMError, ConfigError, TensorInputError
 
 NAME = "model.layers.2.mlp.up_proj.weight"

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mergekit_bmm.calibration import (
+from mergekit_bmm.ensemble.metrics import (
     accuracy,
     bin_indices,
     ensemble_probabilities,
@@ -15,7 +15,7 @@ from mergekit_bmm.calibration import (
     negative_log_likelihood,
     reliability,
 )
-from mergekit_bmm.ensemble import evaluate_ensemble, mean_over_tasks
+from mergekit_bmm.ensemble.scoring import evaluate_ensemble, mean_over_tasks
 from mergekit_bmm.errors import TensorInputError
 
 

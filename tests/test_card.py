@@ -6,7 +6,6 @@ Every card is parsed with ``huggingface_hub.ModelCard`` and checked field by fie
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import re
@@ -20,12 +19,14 @@ import yaml
 from conftest import load_weights
 from huggingface_hub import ModelCard
 
-from mergekit_bmm.card import PAPER_URL, write_search_card
+from mergekit_bmm.cards.card import PAPER_URL, write_search_card
+from mergekit_bmm.cards.merge_record import RECORD_FILE, read_record, recipe_digest
+from mergekit_bmm.core.module_map import classify
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.fingerprint import model_fingerprint
-from mergekit_bmm.merge_record import RECORD_FILE, read_record, recipe_digest
-from mergekit_bmm.module_map import classify
-from mergekit_bmm.recipe import BlockSetting, blockwise_recipe, weight_names_of
+from mergekit_bmm.io.fingerprint import model_fingerprint
+from mergekit_bmm.io.model_folder import weight_names_of
+from mergekit_bmm.recipes.blockwise import BlockSetting, blockwise_recipe
+from mergekit_bmm.search.summary import SearchSummary, read_summary, write_summary
 
 BIN = Path(sys.executable).parent
 LAMBDAS = [
@@ -233,7 +234,7 @@ def test_other_methods_keep_mergekits_card(tiny_llama, tmp_path):
 def test_failure_to_build_the_card_falls_back_to_a_minimal_valid_card(
     tiny_llama, tmp_path, monkeypatch, caplog
 ):
-    from mergekit_bmm import card as card_module
+    from mergekit_bmm.cards import card as card_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated failure")
@@ -286,8 +287,11 @@ def make_search_out(family, root: Path, anchor: bool = True) -> Path:
         "lambda_plot": "lambdas.png",  # not written: the card must cope
         "best_recipe": "best.yml",
         "best_model": "best",
+        "status": "finished",
+        "dimensions": ["block0.attn_in", "block0.scale"],
+        "lambda_range": [1e-4, 1.0],
     }
-    (search_out / "summary.json").write_text(json.dumps(summary))
+    write_summary(search_out / "summary.json", SearchSummary.model_validate(summary))
     return search_out
 
 
@@ -297,7 +301,7 @@ def test_search_card_adds_strategy_scores_and_plot(tiny_llama, tmp_path):
     best = search_out / "best"
     merge(yaml.safe_load(best_text), best, text=best_text)
 
-    path = write_search_card(best, search_out)
+    path = write_search_card(best, read_summary(search_out), search_out)
     assert path == best / "README.md"
     card = ModelCard.load(path)
     check_front_matter(card, [str(tiny_llama.base), *(str(p) for p in tiny_llama.experts)])
@@ -305,10 +309,13 @@ def test_search_card_adds_strategy_scores_and_plot(tiny_llama, tmp_path):
     assert facts["strategy"] == "bo" and facts["budget"] == "60" and facts["best score"] == "0.83"
     assert facts["trials completed / failed"] == "60 / 0" and facts["anchor score"] == "0.8"
     assert table_after(card.text, "| task | BMM (this model) | anchor | Δ |") == [
-        ["taskA", "0.81", "0.78", "+0.03"],
-        ["taskB", "0.85", "0.82", "+0.03"],
-        ["**overall**", "0.83", "0.8", "+0.03"],
+        ["taskA", "0.8100", "0.7800", "+0.0300"],  # one precision for scores and differences
+        ["taskB", "0.8500", "0.8200", "+0.0300"],
+        ["**overall**", "0.8300", "0.8000", "+0.0300"],
     ]
+    assert "No trial beat the anchor" not in card.text
+    title = [line for line in card.text.splitlines() if line.startswith("# ")][0]
+    assert title == "# BMM merge of expert-a + expert-b + expert-c (task_arithmetic anchor)"
     assert "![Convergence of the search](convergence.png)" in card.text
     assert (best / "convergence.png").read_bytes() == (search_out / "convergence.png").read_bytes()
     assert "lambdas.png" not in card.text
@@ -318,18 +325,18 @@ def test_search_card_adds_strategy_scores_and_plot(tiny_llama, tmp_path):
 
 
 def test_search_card_for_a_folder_merged_without_card(tiny_llama, tmp_path):
-    from mergekit_bmm.publish import check_folder
+    from mergekit_bmm.cards.publish import check_folder
 
     search_out = make_search_out(tiny_llama, tmp_path, anchor=False)
     best = search_out / "best"
     merge(yaml.safe_load((search_out / "best.yml").read_text()), best, write_card=False)
     assert not (best / "mergekit_config.yml").exists()
 
-    card = ModelCard.load(write_search_card(best, search_out))
+    card = ModelCard.load(write_search_card(best, read_summary(search_out), search_out))
     assert (best / "mergekit_config.yml").read_text() == (search_out / "best.yml").read_text()
     assert table_after(card.text, "| task | BMM (this model) | anchor | Δ |")[0] == [
         "taskA",
-        "0.81",
+        "0.8100",
         "—",
         "—",
     ]
@@ -337,13 +344,50 @@ def test_search_card_for_a_folder_merged_without_card(tiny_llama, tmp_path):
     assert check_folder(best).weights_fingerprint == model_fingerprint(best)
 
 
+def test_search_card_says_when_the_anchor_was_not_beaten(tiny_llama, tmp_path):
+    search_out = make_search_out(tiny_llama, tmp_path)
+    summary = read_summary(search_out).model_copy(update={"anchor_score": 0.9})
+    assert summary.beats_anchor is False
+    best = search_out / "best"
+    best_text = (search_out / "best.yml").read_text()
+    merge(yaml.safe_load(best_text), best, text=best_text)
+    card = ModelCard.load(write_search_card(best, summary, search_out))
+    assert "**No trial beat the anchor merge: best 0.83 against the anchor's 0.9" in card.text
+
+
+@pytest.mark.parametrize(
+    "direct_url, expected",
+    [
+        (
+            {"url": "https://github.com/org/mergekit-bmm", "vcs_info": {"vcs": "git", "commit_id": "abc123"}},
+            'pip install "mergekit-bmm @ git+https://github.com/org/mergekit-bmm@abc123"',
+        ),
+        (
+            {"url": "https://example.org/mergekit_bmm-1.2.0-py3-none-any.whl", "archive_info": {}},
+            'pip install "mergekit-bmm @ https://example.org/mergekit_bmm-1.2.0-py3-none-any.whl"',
+        ),
+        (
+            {"url": "file:///nowhere/checkout", "dir_info": {"editable": True}},
+            "pip install ./mergekit-bmm  #",
+        ),
+    ],
+)
+def test_reproduce_step_installs_from_where_the_plugin_came(direct_url, expected):
+    from mergekit_bmm.cards.install import command_for
+
+    line = command_for(direct_url, "1.2.0")
+    assert line.startswith(expected)
+    if direct_url["url"].startswith("file:"):
+        assert "1.2.0" in line and "names no public source" in line
+
+
 def test_search_card_needs_a_summary(tmp_path):
     with pytest.raises(ConfigError, match="has no summary.json"):
-        write_search_card(tmp_path, tmp_path)
+        read_summary(tmp_path)
 
 
 def test_hub_ids_are_known_without_asking_the_hub(tmp_path):
-    from mergekit_bmm.recipe_view import hub_id_of, local_folder
+    from mergekit_bmm.recipes.view import hub_id_of, local_folder
 
     snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.2-1B" / "snapshots" / "0123abcd"
     snapshot.mkdir(parents=True)

@@ -23,7 +23,7 @@ TEXTS = ["the quick brown fox", "a dog", "model merging combines experts fine-tu
 
 @pytest.fixture(scope="module")
 def tiny_encoder():
-    from mergekit_bmm.tiny_models import make_base
+    from mergekit_bmm.examples.tiny_models import make_base
 
     model, tokenizer = make_base("bert", hidden=32, layers=2, seed=3)
     return model.eval(), tokenizer

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import reference_solve, relative_error
 
-from mergekit_bmm import closed_form as cf
+from mergekit_bmm.core import closed_form as cf
 from mergekit_bmm.errors import ConfigError, TensorInputError
 
 SHAPES = [(12, 8), (8, 12), (24, 16), (16, 33)]

@@ -14,11 +14,12 @@ import pytest
 import torch
 import yaml
 from conftest import load_weights, relative_error
+from references import expected_bmm_merge
 from safetensors.torch import load_file, save_file
-from stats_helpers import expected_merge, stored_grams, write_calibration
+from stats_helpers import stored_grams, write_calibration
 
+from mergekit_bmm.core.module_map import classify
 from mergekit_bmm.errors import StatisticsError, find_bmm_error
-from mergekit_bmm.module_map import classify
 from mergekit_bmm.stats.collect import collect_statistics
 from mergekit_bmm.stats.config import parse_stats_config
 
@@ -87,11 +88,13 @@ def worst_error(got: dict, expected: dict) -> tuple[float, str]:
 def test_data_assisted_matches_float64_reference(tiny_llama, llama_stats, tmp_path):
     config = recipe(tiny_llama, "activations", llama_stats, compute_dtype="float64")
     got = merge(config, tmp_path / "out")
-    expected = expected_merge(tiny_llama, WEIGHTS, 0.05, "activations", llama_stats)
+    expected = expected_bmm_merge(
+        tiny_llama, WEIGHTS, 0.05, gram_mode="activations", grams=stored_grams(llama_stats)
+    )
     error, name = worst_error(got, expected)
     assert error < 1e-9, name
     # The activation Grams matter: the data-free merge is a different model.
-    free = expected_merge(tiny_llama, WEIGHTS, 0.05, "data_free")
+    free = expected_bmm_merge(tiny_llama, WEIGHTS, 0.05)
     assert (
         relative_error(got["model.layers.1.mlp.up_proj.weight"], free["model.layers.1.mlp.up_proj.weight"])
         > 1e-4
@@ -154,7 +157,7 @@ def test_readme_flow_stats_command_then_stock_mergekit_yaml(tiny_llama, tmp_path
         write_calibration(tmp_path / f"{expert.name}.jsonl", lines=40, offset=3 * index)
     stats_yml = tmp_path / "stats.yml"
     stats_yml.write_text(fill((CONFIGS / "stats.yml").read_text(), tiny_llama, tmp_path, stats))
-    collected = run("mergekit-bmm-stats", stats_yml, "--out", stats, "--quiet")
+    collected = run("mergekit-bmm-stats", stats_yml, stats, "--quiet")
     assert collected.returncode == 0, collected.stderr[-2000:]
     manifest = json.loads((stats / "manifest.json").read_text())
     assert [task["samples"] for task in manifest["tasks"]] == [40, 40, 40]
@@ -171,13 +174,13 @@ def test_readme_flow_stats_command_then_stock_mergekit_yaml(tiny_llama, tmp_path
         result = run("mergekit-yaml", path, tmp_path / name, "--no-copy-tokenizer")
         assert result.returncode == 0, result.stderr[-2000:]
         parameters = config["parameters"]
-        expected = expected_merge(
+        expected = expected_bmm_merge(
             tiny_llama,
             (0.3, 0.3, 0.3),
             parameters["lambda"],
-            mode,
-            stats if mode != "data_free" else None,
-            parameters.get("epsilon", 0.5),
+            gram_mode=mode,
+            grams=stored_grams(stats) if mode != "data_free" else None,
+            epsilon=parameters.get("epsilon", 0.5),
         )
         error, worst = worst_error(load_weights(tmp_path / name), expected)
         assert error < 1e-4, (name, worst, error)
@@ -199,12 +202,14 @@ def test_few_shot_statistics_with_mix(shots, tiny_llama, tmp_path):
         config = recipe(tiny_llama, "mix", stats, compute_dtype="float64", epsilon=epsilon)
         config["parameters"]["lambda"] = 0.01
         got = merge(config, tmp_path / f"mix-{epsilon}")
-        expected = expected_merge(tiny_llama, WEIGHTS, 0.01, "mix", stats, epsilon)
+        expected = expected_bmm_merge(
+            tiny_llama, WEIGHTS, 0.01, gram_mode="mix", grams=stored_grams(stats), epsilon=epsilon
+        )
         error, name = worst_error(got, expected)
         assert error < 1e-7, (epsilon, name, error)
         if epsilon in (0.0, 1.0):
             mode = "data_free" if epsilon == 0.0 else "activations"
-            alone = expected_merge(tiny_llama, WEIGHTS, 0.01, mode, stats)
+            alone = expected_bmm_merge(tiny_llama, WEIGHTS, 0.01, gram_mode=mode, grams=stored_grams(stats))
             assert worst_error(got, alone)[0] < 1e-7, f"epsilon {epsilon} is the {mode} merge"
 
     if shots > 1:

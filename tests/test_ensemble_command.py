@@ -11,7 +11,7 @@ import yaml
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from mergekit_bmm.calibration import expected_calibration_error
+from mergekit_bmm.ensemble.metrics import expected_calibration_error
 
 TESTS = Path(__file__).parent
 SENTIMENT = TESTS / "fixtures" / "classification" / "toy_sentiment.jsonl"
@@ -63,7 +63,7 @@ def manual_probabilities(folder: Path, task_file: Path, split: str):
     """Softmax of head logits per member, computed by loading each folder ourselves."""
     from transformers import AutoModel, AutoTokenizer
 
-    from mergekit_bmm.ensemble_config import load_classification_tasks
+    from mergekit_bmm.ensemble.tasks import load_classification_tasks
     from mergekit_bmm.evaluation.classification import task_logits
 
     config = load_classification_tasks(task_file, split)

@@ -28,7 +28,7 @@ SENTIMENT = TESTS / "fixtures" / "classification" / "toy_sentiment.jsonl"
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory):
-    from mergekit_bmm.tiny_models import make_base
+    from mergekit_bmm.examples.tiny_models import make_base
 
     model, tokenizer = make_base("bert", hidden=32, layers=2, seed=3)
     path = tmp_path_factory.mktemp("bert") / "model"
@@ -148,8 +148,10 @@ def test_python_callable_results_and_errors(tiny_bert, tmp_path):
 
     module = tmp_path / "my_eval.py"
     module.write_text(
-        "def score(model_dir, model, tokenizer, bonus=0.0):\n"
+        "def score(model, tokenizer, bonus=0.0):\n"
         "    return {'params': sum(p.numel() for p in model.parameters()) + bonus, 'vocab': len(tokenizer)}\n"
+        "def files(model_dir, bonus=0.0):\n"
+        "    return len(list(model_dir.iterdir())) + bonus\n"
     )
     config = PythonEvaluatorConfig(
         type="python",
@@ -158,11 +160,15 @@ def test_python_callable_results_and_errors(tiny_bert, tmp_path):
         args={"bonus": 0.5},
         python_path=[str(tmp_path)],
     )
-    scores = PythonEvaluator(config, "cpu").evaluate(tiny_bert)
+    evaluator = PythonEvaluator(config, "cpu")
+    scores = evaluator.evaluate(tiny_bert)
     model, tokenizer = load(tiny_bert)
-    assert scores == {
-        "params": sum(p.numel() for p in model.parameters()) + 0.5,
-        "vocab": float(len(tokenizer)),
+    expected = {"params": sum(p.numel() for p in model.parameters()) + 0.5, "vocab": float(len(tokenizer))}
+    assert scores == expected
+    assert evaluator.evaluate_model(model, tokenizer) == expected  # a live model, no folder
+    folder = config.model_copy(update={"callable": "my_eval:files", "input": "folder"})
+    assert PythonEvaluator(folder, "cpu").evaluate(tiny_bert) == {
+        "score": len(list(tiny_bert.iterdir())) + 0.5
     }
 
 

@@ -10,8 +10,8 @@ import torch
 from conftest import reference_solve, relative_error
 from mergekit.merge_methods.api import merge_tensors
 
-import mergekit_bmm  # noqa: F401  (registers bmm)
-from mergekit_bmm import closed_form
+from mergekit_bmm import __version__
+from mergekit_bmm.core import closed_form
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.stats.store import StatsManifest, TaskStats, write_grams, write_manifest
 
@@ -188,7 +188,7 @@ def _stats_dir(root: Path, ids: list[str], in_features: int, seed: int) -> Path:
         tasks.append(
             TaskStats(name=f"t{index}", model=model, file=f"t{index}.safetensors", samples=4, tokens=96)
         )
-    manifest = StatsManifest(package_version=mergekit_bmm.__version__, tasks=tasks, modules={NAME: "g"})
+    manifest = StatsManifest(package_version=__version__, tasks=tasks, modules={NAME: "g"})
     write_manifest(root, manifest)
     return root
 

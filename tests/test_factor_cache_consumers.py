@@ -9,7 +9,7 @@ import torch
 import yaml
 from conftest import load_weights, relative_error
 
-from mergekit_bmm.factor_cache import FactorCache
+from mergekit_bmm.methods.factor_cache import FactorCache
 from mergekit_bmm.sampling.run import SamplingRequest, sample_models
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
-    from mergekit_bmm.tiny_models import make_tiny_family
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
 
     return make_tiny_family(tmp_path_factory.mktemp("cache-users"), "llama", n_experts=3, hidden=32, layers=2)
 
@@ -137,41 +137,53 @@ def test_a_search_fills_the_cache_in_its_first_trial_and_reads_it_after(family, 
     template = {**recipe(family, compute_dtype="float64"), "dtype": "float64"}
     del template["parameters"]["lambda"], template["parameters"]["scale"]
     config = parse_search_config(
-        {"recipe": template, "blocks": 1, "evaluator": evaluator, "strategy": "random", "budget": 3}, TESTS
+        {
+            "recipe": template,
+            "blocks": 1,
+            "evaluator": evaluator,
+            "strategy": "random",
+            "budget": 3,
+            "trials": "disk",
+        },
+        TESTS,
     )
     out = tmp_path / "out"
     seen: list[tuple[int, int]] = []
 
-    import mergekit_bmm.search.loop as loop
+    from mergekit_bmm.recipes import run as recipe_run
 
-    real_merge = loop.merge_text
+    real_merge = recipe_run.merge_recipe_text
 
     def merge_and_count(*args, **kwargs):
         real_merge(*args, **kwargs)
         seen.append(counter.take())
 
-    monkeypatch.setattr(loop, "merge_text", merge_and_count)
+    monkeypatch.setattr(recipe_run, "merge_recipe_text", merge_and_count)
     result = run_search(config, out, SearchOptions(progress=False, device="cpu", plots=False))
-    assert result.summary["completed_trials"] == 3
+    assert result.summary.completed_trials == 3
 
     solved = 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
-    # trials 0-2, then best/: the first trial builds every entry, every later merge reads them
-    assert seen == [(0, solved), (solved, 0), (solved, 0), (solved, 0)]
+    # trials 0-2: the first trial builds every entry, every later one reads them; best/ is merged
+    # from best.yml, which carries no machine-local cache path
+    assert seen == [(0, solved), (solved, 0), (solved, 0), (0, 0)]
     cache_dir = out / "cache"
     factor_files = [p for p in entries(cache_dir) if "layers" in p.name]
     assert len(factor_files) == solved
     assert len(entries(cache_dir)) > solved  # plus task arithmetic's embeddings / lm_head
     for path in (out / "trials").glob("*.yml"):
         assert yaml.safe_load(path.read_text())["parameters"]["cache"] == str(cache_dir)
-    assert yaml.safe_load((out / "best.yml").read_text())["parameters"]["cache"] == str(cache_dir)
-
-    # and the search's answer is the one an uncached merge of best.yml gives
     best = yaml.safe_load((out / "best.yml").read_text())
-    del best["parameters"]["cache"]
-    real_merge(yaml.safe_dump(best), tmp_path / "uncached")
-    cached, uncached = load_weights(out / "best"), load_weights(tmp_path / "uncached")
+    assert "cache" not in best["parameters"]
+    assert "cache" not in yaml.safe_load((out / "best" / "mergekit_config.yml").read_text())["parameters"]
+
+    # best/ is mergekit-yaml best.yml bit for bit, and the scored (cached) trial to rounding
+    real_merge((out / "best.yml").read_text(), tmp_path / "again")
+    scored = (out / "trials" / f"trial-{result.summary.best_trial:04d}.yml").read_text()
+    real_merge(scored, tmp_path / "scored")
+    built, again, cached = (load_weights(p) for p in (out / "best", tmp_path / "again", tmp_path / "scored"))
     base = load_weights(family.base)
-    solved_names = [name for name in uncached if "layers" in name and uncached[name].ndim == 2]
+    assert all(torch.equal(built[name], again[name]) for name in built)
+    solved_names = [name for name in built if "layers" in name and built[name].ndim == 2]
     assert len(solved_names) == solved
     for name in solved_names:
-        assert relative_error(cached[name] - base[name], uncached[name] - base[name]) <= 1e-10, name
+        assert relative_error(cached[name] - base[name], built[name] - base[name]) <= 1e-10, name

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import load_weights, relative_error
+from references import expected_bmm_merge
 from safetensors.torch import save_file
-from test_yaml_merge import expected_weights, recipe, run, write
+from test_yaml_merge import recipe, run, write
 
-from mergekit_bmm.module_map import classify
+from mergekit_bmm.core.module_map import classify
 
 pytestmark = pytest.mark.slow
 
@@ -123,5 +124,5 @@ def test_an_expert_rewritten_in_place_invalidates_the_cache(tiny_llama, tmp_path
     assert "bmm cache: ignoring" not in result.stderr  # stale entries are not even opened
     after = stamps(cache)
     assert set(filled) < set(after) and len(after) == 2 * len(filled)
-    expected = expected_weights(family, (0.3,) * 3, lambda n: 0.3, lambda n: 1.0, "llama")
+    expected = expected_bmm_merge(family, (0.3,) * 3, lambda n: 0.3, lambda n: 1.0, "llama")
     assert_same_merge(tmp_path / "after", expected, load_weights(family.base), 1e-5)

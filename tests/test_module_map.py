@@ -7,7 +7,7 @@ import torch
 import transformers as tf
 from transformers.pytorch_utils import Conv1D
 
-from mergekit_bmm.module_map import GROUP_NAMES, classify, filter_rules, layer_index
+from mergekit_bmm.core.module_map import GROUP_NAMES, classify, filter_rules, layer_index
 
 SMALL = dict(vocab_size=64, num_hidden_layers=3, num_attention_heads=4)
 DECODER = dict(hidden_size=32, intermediate_size=48, num_key_value_heads=2, **SMALL)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import reference_solve, relative_error
 
-from mergekit_bmm import closed_form
+from mergekit_bmm.core import closed_form
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.sampling.posterior import RowPosterior, check_beta, check_sigma, standard_normal
 

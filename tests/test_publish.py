@@ -17,9 +17,9 @@ from hub_standin import HubStandIn
 from huggingface_hub import ModelCard
 from safetensors.torch import save_file
 
-from mergekit_bmm.cli.publish_command import main as publish_main
+from mergekit_bmm.cards.publish import files_to_upload, publish_folder
+from mergekit_bmm.cli.publish import main as publish_main
 from mergekit_bmm.errors import PublishError
-from mergekit_bmm.publish import files_to_upload, publish_folder
 
 BIN = Path(sys.executable).parent
 
@@ -55,6 +55,10 @@ def folder(merged, tmp_path) -> Path:
     return target
 
 
+def ids_of(family) -> dict[str, str]:
+    return {str(family.base): "org/base", **{str(path): f"org/{path.name}" for path in family.experts}}
+
+
 def id_options(family, drop_last: bool = False) -> list[str]:
     """``--base-model-id`` for every input (the tiny models have no Hub ids)."""
     options = ["--base-model-id", f"{family.base}=org/base"]
@@ -68,9 +72,7 @@ def test_dry_run_lists_what_would_be_uploaded(folder, tiny_llama):
     (folder / ".cache" / "huggingface").mkdir(parents=True)
     (folder / ".cache" / "huggingface" / "download.lock").write_text("")
     readme = (folder / "README.md").read_bytes()
-    result = CliRunner().invoke(
-        publish_main, [str(folder), "--repo", "me/bmm", "--dry-run", *id_options(tiny_llama)]
-    )
+    result = CliRunner().invoke(publish_main, [str(folder), "me/bmm", "--dry-run", *id_options(tiny_llama)])
     assert result.exit_code == 0, result.output
     expected = [
         "README.md",
@@ -80,9 +82,18 @@ def test_dry_run_lists_what_would_be_uploaded(folder, tiny_llama):
         "model.safetensors",
     ]
     assert files_to_upload(folder) == expected
-    listed = [line.split()[0] for line in result.output.splitlines()[1:]]
+    listing, front_matter = result.output.split("front matter on the Hub would be:")
+    listed = [line.split()[0] for line in listing.splitlines()[1:] if line.startswith("  ")]
     assert listed == expected
+    card = publish_folder(folder, "me/bmm", dry_run=True, base_model_ids=ids_of(tiny_llama)).card_text
+    assert f"README.md  ({len(card.encode())} bytes)" in listing  # the size of the card as uploaded
+    assert "\n# me/bmm\n" in card  # titled with the repo id
     assert "checks passed; would upload 5 files" in result.output
+    import huggingface_hub
+
+    if huggingface_hub.get_token() is None:  # the dry run says what a real upload will need
+        assert "a real upload would stop now" in result.output and "an upload needs one" in result.output
+    assert "base_model:\n- org/base" in front_matter and "tags:" in front_matter
     assert (folder / "README.md").read_bytes() == readme  # a dry run changes nothing
 
 
@@ -112,7 +123,7 @@ def _whole_tensor(weights) -> None:
         ("tensor_edited", "do not match the fingerprint recorded at merge time"),
         ("one_value_edited", "model.safetensors changed; re-run the merge"),
         ("weights_added", "added model-extra.safetensors"),
-        ("local_base_model", "which is not a Hub repo id"),
+        ("local_base_model", "lists 4 local folders, which are not Hub repo ids"),
         ("bad_repo", "must name the owner too"),
         ("unknown_mapping", "which the card's base_model does not list"),
     ],
@@ -143,7 +154,7 @@ def test_refuses_with_one_line(folder, tiny_llama, case, message):
         repo = "no-owner"
     elif case == "unknown_mapping":
         ids = [*ids, "--base-model-id", "/somewhere/else=org/else"]
-    result = CliRunner().invoke(publish_main, [str(folder), "--repo", repo, "--dry-run", *ids])
+    result = CliRunner().invoke(publish_main, [str(folder), repo, "--dry-run", *ids])
     assert result.exit_code != 0
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mergekit-bmm: error:"), result.output
@@ -168,7 +179,7 @@ def test_upload_through_a_local_hub_standin(folder, tiny_llama, tmp_path):
             HF_HUB_DISABLE_TELEMETRY="1",
             HF_HUB_DISABLE_PROGRESS_BARS="1",
         )
-        command = [str(BIN / "mergekit-bmm-publish"), str(folder), "--repo", "me/bmm", "--private"]
+        command = [str(BIN / "mergekit-bmm-publish"), str(folder), "me/bmm", "--private"]
         command += ["--revision", "v1", *id_options(tiny_llama, drop_last=True)]
         result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
         state = hub.state

@@ -162,7 +162,6 @@ def test_iid_baseline_through_the_command(tiny_llama, posterior_run, tmp_path):
         main,
         [
             str(path),
-            "--out",
             str(tmp_path / "iid"),
             "--samples",
             "2",
@@ -193,7 +192,7 @@ def test_refusals(tiny_llama, tmp_path):
     runner = CliRunner()
 
     def refused(*args):
-        result = runner.invoke(main, [str(path), "--out", str(tmp_path / "out"), *args])
+        result = runner.invoke(main, [str(path), str(tmp_path / "out"), *args])
         assert result.exit_code != 0
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("mergekit-bmm: error:"), result.output
@@ -209,7 +208,8 @@ def test_refusals(tiny_llama, tmp_path):
 
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("keep me")
-    assert "is not empty" in refused("--beta", "1")
+    assert "did not write (mine.txt)" in refused("--beta", "1")
+    assert "did not write (mine.txt)" in refused("--beta", "1", "--force")
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep me"
 
     not_bmm = tmp_path / "ta.yml"
@@ -230,7 +230,7 @@ def test_improper_posterior_refused_and_nothing_left_behind(tiny_llama, tmp_path
 
 def test_posterior_uses_the_activation_gram_and_refuses_foreign_statistics(tiny_llama, tmp_path):
     """``gram: activations``: Σ_row = β⁻¹(Σ_t G_t + λ'I)⁻¹ with the statistics' Grams."""
-    from mergekit_bmm.fingerprint import model_fingerprint
+    from mergekit_bmm.io.fingerprint import model_fingerprint
     from mergekit_bmm.stats.store import StatsManifest, TaskStats, write_grams, write_manifest
 
     generator = torch.Generator().manual_seed(5)
@@ -285,3 +285,16 @@ def test_posterior_uses_the_activation_gram_and_refuses_foreign_statistics(tiny_
     assert isinstance(find_bmm_error(caught.value), StatisticsError)
     assert "different checkpoint" in str(find_bmm_error(caught.value))
     assert not (tmp_path / "out2").exists()
+
+
+def test_finished_run_replaced_only_with_force(tiny_llama, tmp_path):
+    out = tmp_path / "samples"
+    request = SamplingRequest(1, beta=1e9, name_filter="layers.3.mlp.down_proj")
+    sample_models(recipe(tiny_llama), out, request, options())
+    first = (out / "sample-000" / "sampled.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="holds an earlier sample run.*--force"):
+        sample_models(recipe(tiny_llama), out, request, options())
+    again = SamplingRequest(1, beta=1e9, name_filter="layers.3.mlp.down_proj", seed=1)
+    sample_models(recipe(tiny_llama), out, again, options(), force=True)
+    assert sorted(p.name for p in out.iterdir()) == ["map", "sample-000", "samples.json"]
+    assert (out / "sample-000" / "sampled.safetensors").read_bytes() != first

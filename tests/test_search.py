@@ -42,7 +42,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """A very small Llama family: trials merge in a fraction of a second."""
-    from mergekit_bmm.tiny_models import make_tiny_family
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
 
     return make_tiny_family(
         tmp_path_factory.mktemp("search-family"), "llama", n_experts=3, hidden=16, layers=2
@@ -67,21 +67,23 @@ def make_config(family, evaluator: dict, **fields):
     return parse_search_config(config_dict(family, evaluator, **fields), TESTS)
 
 
-def python_evaluator(function: str, **args) -> dict:
+def python_evaluator(function: str, folder: bool = False, **args) -> dict:
     return {
         "type": "python",
         "callable": f"search_objectives:{function}",
         "python_path": [str(TESTS)],
         "args": args,
+        **({"input": "folder"} if folder else {}),
     }
 
 
 @pytest.fixture(scope="module")
 def target(family, tmp_path_factory):
     """The merge at the known optimum TARGET (1 block), made exactly as a trial is."""
-    from mergekit_bmm.recipe import weight_names_of
+    from mergekit_bmm.io.model_folder import weight_names_of
+    from mergekit_bmm.recipes.run import merge_recipe_text as merge_text
     from mergekit_bmm.search.space import SearchSpace
-    from mergekit_bmm.search.trial import TrialRecipes, merge_text
+    from mergekit_bmm.search.trial_recipes import TrialRecipes
 
     config = make_config(family, python_evaluator("per_task_scores"))
     names = weight_names_of(str(family.base))
@@ -111,8 +113,8 @@ def test_bo_ends_closer_to_the_known_optimum_than_random_search(family, target, 
                 acq_optimizer="sampling",
             )
             result = run_search(config, tmp_path / f"{strategy}-{seed}", quiet(skip_best=True, plots=False))
-            assert result.summary["completed_trials"] == 25
-            best[strategy].append(result.summary["best_score"])
+            assert result.summary.completed_trials == 25
+            best[strategy].append(result.summary.best_score)
     mean = {strategy: sum(scores) / len(scores) for strategy, scores in best.items()}
     # scores are minus the relative distance to the optimum's weights: higher is closer
     assert mean["bo"] > mean["random"], best
@@ -133,7 +135,7 @@ def test_resume_after_sigkill_gives_exactly_k_trials_and_the_same_proposals(fami
     out = tmp_path / "killed"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        [str(BIN / "mergekit-bmm-search"), str(search_file), "--out", str(out), "--quiet"],
+        [str(BIN / "mergekit-bmm-search"), str(search_file), str(out), "--quiet"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -155,14 +157,14 @@ def test_resume_after_sigkill_gives_exactly_k_trials_and_the_same_proposals(fami
     records = read_records(out)
     assert [r.trial for r in records] == list(range(8))
     assert len({tuple(r.values.values()) for r in records}) == 8
-    assert resumed.summary["completed_trials"] == 8
+    assert resumed.summary.completed_trials == 8
 
     fresh = run_search(config, tmp_path / "fresh", quiet(skip_best=True, plots=False))
     assert [r.values for r in fresh.records] == [r.values for r in records]
     assert [r.score for r in fresh.records] == [r.score for r in records]
 
     # best.yml through the stock command rebuilds best/ bit for bit
-    assert resumed.summary["best_recipe"] == "best.yml" and resumed.summary["best_model"] == "best"
+    assert resumed.summary.best_recipe == "best.yml" and resumed.summary.best_model == "best"
     rebuilt = tmp_path / "rebuilt"
     stock = subprocess.run(
         [str(BIN / "mergekit-yaml"), str(out / "best.yml"), str(rebuilt)],
@@ -176,6 +178,41 @@ def test_resume_after_sigkill_gives_exactly_k_trials_and_the_same_proposals(fami
     assert weights and weights == sorted(p.name for p in rebuilt.glob("*.safetensors"))
     for name in weights + ["config.json"]:
         assert (out / "best" / name).read_bytes() == (rebuilt / name).read_bytes(), name
+
+
+def test_resume_restores_the_optimiser_without_refitting_it(family, target, tmp_path, monkeypatch):
+    """A finished search extended by 2 trials fits the surrogate twice, not once per logged trial,
+    and proposes what a full replay of the log proposes."""
+    import shutil
+
+    from skopt.learning import GaussianProcessRegressor
+
+    evaluator = python_evaluator("distance_to_target", target=str(target), base=str(family.base))
+    config = make_config(family, evaluator, budget=8, n_initial=3, seed=3, acq_optimizer="sampling")
+    out = tmp_path / "out"
+    run_search(config, out, quiet(skip_best=True, plots=False))
+    assert (out / "proposer.pkl").is_file()
+    shutil.copytree(out, tmp_path / "replayed")
+    (tmp_path / "replayed" / "proposer.pkl").unlink()
+
+    fits = []
+    real_fit = GaussianProcessRegressor.fit
+    monkeypatch.setattr(
+        GaussianProcessRegressor, "fit", lambda self, *a, **k: fits.append(1) or real_fit(self, *a, **k)
+    )
+    longer = config.model_copy(update={"budget": 10})
+    notes = []
+    restored = run_search(longer, out, quiet(skip_best=True, plots=False), echo=notes.append)
+    assert len(fits) == 2 and any("restored from its snapshot after trial 7" in note for note in notes)
+    fits.clear()
+    replayed = run_search(longer, tmp_path / "replayed", quiet(skip_best=True, plots=False))
+    assert len(fits) == 2 + (8 - 3 + 1)  # a fit per logged trial from the n_initial-th on, then the new ones
+    assert [r.values for r in restored.records] == [r.values for r in replayed.records]
+
+    # a snapshot that no longer matches the log is not used: the log is replayed
+    (out / "proposer.pkl").write_bytes((tmp_path / "replayed" / "proposer.pkl").read_bytes()[:-9])
+    again = run_search(config.model_copy(update={"budget": 11}), out, quiet(skip_best=True, plots=False))
+    assert again.summary.completed_trials == 11
 
 
 def test_torn_last_line_is_dropped_and_that_trial_run_again(family, tmp_path):
@@ -199,7 +236,7 @@ def test_torn_last_line_is_dropped_and_that_trial_run_again(family, tmp_path):
 
 
 def test_failed_trials_are_recorded_and_the_search_goes_on(family, tmp_path):
-    evaluator = python_evaluator("fails_on", trials=[1])
+    evaluator = python_evaluator("fails_on", folder=True, trials=[1])
     config = make_config(family, evaluator, strategy="random", budget=4)
     result = run_search(config, tmp_path / "out", quiet(skip_best=True, plots=False))
     records = read_records(tmp_path / "out")
@@ -207,9 +244,11 @@ def test_failed_trials_are_recorded_and_the_search_goes_on(family, tmp_path):
     assert records[1].score is None
     assert records[1].error == "evaluate: RuntimeError: evaluation blew up on trial-0001"
     assert "evaluation blew up" in (tmp_path / "out" / "errors.log").read_text()
-    assert result.summary["failed_trials"] == 1 and result.summary["best_trial"] == 3
+    assert result.summary.failed_trials == 1 and result.summary.best_trial == 3
 
-    nan = make_config(family, python_evaluator("fails_on", trials=[0], nan=True), strategy="random", budget=2)
+    nan = make_config(
+        family, python_evaluator("fails_on", folder=True, trials=[0], nan=True), strategy="random", budget=2
+    )
     records = run_search(nan, tmp_path / "nan", quiet(skip_best=True, plots=False)).records
     assert records[0].status == "failed" and records[0].error == "evaluate: non-finite score for score"
 
@@ -220,9 +259,9 @@ def test_three_failures_in_a_row_stop_with_one_line(family, tmp_path):
     from mergekit_bmm.cli.search import main
 
     search_file = tmp_path / "search.yml"
-    evaluator = python_evaluator("fails_on", trials=[0, 1, 2, 3])
+    evaluator = python_evaluator("fails_on", folder=True, trials=[0, 1, 2, 3])
     search_file.write_text(yaml.safe_dump(config_dict(family, evaluator, strategy="random", budget=6)))
-    result = CliRunner().invoke(main, [str(search_file), "--out", str(tmp_path / "out"), "--quiet"])
+    result = CliRunner().invoke(main, [str(search_file), str(tmp_path / "out"), "--quiet"])
     assert result.exit_code == 3
     assert (
         result.stderr.strip()
@@ -259,7 +298,8 @@ def test_grid_tries_one_shared_lambda_log_spaced(family, tmp_path):
 def test_eval_anchor_outputs_and_summary_contract(family, tmp_path):
     from search_objectives import per_task_scores
 
-    from mergekit_bmm.search.trial import merge_text, yaml_text
+    from mergekit_bmm.recipes.parse import yaml_text
+    from mergekit_bmm.recipes.run import merge_recipe_text as merge_text
 
     config = make_config(family, python_evaluator("per_task_scores"), strategy="random", budget=2, blocks=2)
     result = run_search(config, tmp_path / "out", quiet(eval_anchor=True))
@@ -277,6 +317,13 @@ def test_eval_anchor_outputs_and_summary_contract(family, tmp_path):
     for name in ("convergence.png", "lambdas.png", "best.yml", "summary.json", "anchor.yml"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "best" / "model.safetensors").exists()
+    # files get the permissions the user's umask gives, like any other tool's
+    umask = os.umask(0)
+    os.umask(umask)
+    written = ["best.yml", "summary.json", "anchor.json", "anchor.yml", "trials.jsonl", "convergence.png"]
+    written += [f"trials/{path.name}" for path in (out / "trials").iterdir()]
+    modes = {name: (out / name).stat().st_mode & 0o777 for name in written}
+    assert modes == {name: 0o666 & ~umask for name in written}
 
     # the anchor is the task_arithmetic merge of the same models, scored the same way
     anchor = {
@@ -366,7 +413,6 @@ def test_the_shipped_example_runs_from_the_command_line(family, tmp_path):
     out = tmp_path / "out"
     arguments = [
         str(search_file),
-        "--out",
         str(out),
         "--budget",
         "8",
@@ -380,10 +426,8 @@ def test_the_shipped_example_runs_from_the_command_line(family, tmp_path):
     assert "best values" in result.stdout and "anchor" in result.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["best_per_task"]) == {"a", "b", "c"} and summary["anchor_score"] is not None
-    # the copy kept in --out is enough to resume (and extend) the search
-    extended = CliRunner().invoke(
-        main, ["--resume", "--out", str(out), "--budget", "9", "--skip-best", "--quiet"]
-    )
+    # the copy kept in OUT_PATH is enough to resume (and extend) the search
+    extended = CliRunner().invoke(main, ["--resume", str(out), "--budget", "9", "--skip-best", "--quiet"])
     assert extended.exit_code == 0, extended.output
     assert "9/9 trials" in extended.stdout
 
@@ -394,9 +438,9 @@ def test_mix_gram_searches_epsilon_per_block(family, tmp_path):
     from conftest import load_weights
 
     from mergekit_bmm import __version__
-    from mergekit_bmm.fingerprint import model_fingerprint
-    from mergekit_bmm.module_map import classify
-    from mergekit_bmm.recipe import weight_names_of
+    from mergekit_bmm.core.module_map import classify
+    from mergekit_bmm.io.fingerprint import model_fingerprint
+    from mergekit_bmm.io.model_folder import weight_names_of
     from mergekit_bmm.stats.store import StatsManifest, TaskStats, write_grams, write_manifest
 
     stats = tmp_path / "stats"
@@ -439,7 +483,9 @@ def test_mix_gram_searches_epsilon_per_block(family, tmp_path):
 
 
 def test_interrupt_keeps_finished_trials_and_writes_the_summary(family, tmp_path):
-    config = make_config(family, python_evaluator("interrupts_on", trial=2), strategy="random", budget=5)
+    config = make_config(
+        family, python_evaluator("interrupts_on", folder=True, trial=2), strategy="random", budget=5
+    )
     with pytest.raises(KeyboardInterrupt):
         run_search(config, tmp_path / "out", quiet())
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -470,7 +516,6 @@ def test_search_card_and_push_to_hub(family, tmp_path):
         command = [
             str(BIN / "mergekit-bmm-search"),
             str(search_file),
-            "--out",
             str(out),
             "--quiet",
             "-j",
@@ -502,8 +547,48 @@ def test_push_to_hub_is_checked_before_the_search_starts(family, tmp_path):
 
     search_file.write_text(yaml.safe_dump(config_dict(family, python_evaluator("per_task_scores"))))
     result = CliRunner().invoke(
-        main, [str(search_file), "--out", str(tmp_path / "out"), "--push-to-hub", "me/x", "--quiet"]
+        main, [str(search_file), str(tmp_path / "out"), "--push-to-hub", "me/x", "--quiet"]
     )
     assert result.exit_code != 0
     assert "offline mode" in result.output  # the test session is offline
     assert not (tmp_path / "out" / "trials.jsonl").exists()
+
+
+def test_a_box_that_is_too_small_widens_and_says_so(family, target, tmp_path):
+    """The optimum's λ lie below the box: the best point sits on the low edge, which moves down."""
+    from mergekit_bmm.search.log import read_events
+
+    evaluator = python_evaluator("distance_to_target", target=str(target), base=str(family.base))
+    fields = {
+        "budget": 10,
+        "n_initial": 4,
+        "seed": 3,
+        "acq_optimizer": "lbfgs",  # it follows the slope to the edge; sampling rarely lands within 3 %
+        "lambda_range": [0.3, 1.0],
+    }
+    notes: list[str] = []
+    result = run_search(
+        make_config(family, evaluator, **fields), tmp_path / "out", quiet(), echo=notes.append
+    )
+    events = read_events(tmp_path / "out" / "trials.jsonl")
+    assert events and all(event["event"] == "box" for event in events)
+    lowered = [e for e in events if e["low"] < e["old_low"]]
+    assert lowered and all(e["low"] == pytest.approx(e["old_low"] / 10) for e in lowered)
+    assert [vars_ for vars_ in result.summary.box_changes] == [
+        {k: v for k, v in e.items() if k != "event"} for e in events
+    ]
+    assert any(note.startswith("search box widened: block0.") for note in notes)
+    assert min(result.summary.box[name][0] for name in result.summary.box if "scale" not in name) < 0.3
+    later = [r for r in result.records if r.trial > events[0]["after_trial"]]
+    assert any(min(v for k, v in r.values.items() if "scale" not in k) < 0.3 for r in later)
+    card = (tmp_path / "out" / "best" / "README.md").read_text()
+    assert "search box widened" in card
+
+    # a resumed search replays the box as logged; widen_box: false keeps the box
+    again = run_search(make_config(family, evaluator, **{**fields, "budget": 12}), tmp_path / "out", quiet())
+    assert [r.values for r in again.records[:10]] == [r.values for r in result.records]
+    fixed = run_search(
+        make_config(family, evaluator, **fields, widen_box=False), tmp_path / "fixed", quiet(skip_best=True)
+    )
+    assert not read_events(tmp_path / "fixed" / "trials.jsonl") and fixed.summary.box_changes == []
+    assert all(min(v for k, v in r.values.items() if "scale" not in k) >= 0.3 for r in fixed.records)

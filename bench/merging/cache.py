@@ -131,7 +131,7 @@ def files_fingerprint(*names: str) -> Callable[[Path], str]:
 
 def model_folder_fingerprint(folder: Path) -> str:
     """Fingerprint of a model folder's weights (mergekit-bmm's sampled content hash)."""
-    from mergekit_bmm.fingerprint import model_fingerprint
+    from mergekit_bmm.io.fingerprint import model_fingerprint
 
     return model_fingerprint(folder)
 

@@ -134,13 +134,28 @@ class SearchSpec(_Strict):
     settings: list[Literal["data_free", "data_assisted"]] = ["data_free", "data_assisted"]
     blocks: int = Field(default=2, ge=1)
     groups: list[str] = ["attn_in+attn_out", "mlp_in", "mlp_out"]
-    lambda_range: tuple[float, float] = (1e-3, 10.0)
-    scale_range: tuple[float, float] | None = (0.8, 1.4)
+    lambda_range: tuple[float, float] | None = Field(
+        default=None, description="None: the search's default box for the setting's Gram mode"
+    )
+    scale_range: tuple[float, float] | None = None
+    widen_box: bool = True
     budget: int = Field(default=10, ge=0)
     n_initial: int = Field(default=5, ge=1)
     acq_optimizer: Literal["auto", "lbfgs", "sampling"] = "sampling"
-    seed: int = 0
+    seeds: list[int] = Field(default=[0], min_length=1, description="one search per seed")
+    workers: int = Field(default=1, ge=1, description="trials at once (mergekit-bmm-search --workers)")
     threads: int = Field(default=1, ge=1)
+
+
+class SweepSpec(_Strict):
+    """Validation score along one λ group or s at a time, around a reference point (docs/search.md)."""
+
+    anchor: str | None = Field(default=None, description="anchor of the sweeps (None = no sweeps)")
+    settings: list[Literal["data_free", "data_assisted"]] = ["data_free", "data_assisted"]
+    lambdas: list[float] = [1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0]
+    scales: list[float] = [0.5, 0.8, 1.0, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0]
+    reference_lambda: float = 0.1
+    reference_scale: float = 1.0
 
 
 class AblationSpec(_Strict):
@@ -215,6 +230,7 @@ class RunConfig(_Strict):
     anchors: list[AnchorSpec] = Field(default_factory=list, description="anchors besides Task Arithmetic")
     stats: StatsSpec = Field(default_factory=StatsSpec)
     search: SearchSpec = Field(default_factory=SearchSpec)
+    sweeps: SweepSpec = Field(default_factory=SweepSpec)
     ablation: AblationSpec = Field(default_factory=AblationSpec)
     language: LanguageSpec = Field(default_factory=LanguageSpec)
     niceness: int = Field(default=10, ge=0, le=19, description="the run lowers its CPU priority to this")

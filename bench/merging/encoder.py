@@ -17,7 +17,7 @@ from typing import Any
 from bench.merging.cache import Stage, model_folder_fingerprint
 from bench.merging.config import EncoderSpec
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.fingerprint import model_fingerprint, weight_files
+from mergekit_bmm.io.fingerprint import model_fingerprint, weight_files
 
 SKIPPED_FILES = ("README.md",)
 

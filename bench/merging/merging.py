@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.merging.cache import stable_key
-from mergekit_bmm.fingerprint import model_fingerprint
+from mergekit_bmm.io.fingerprint import model_fingerprint
 
 
 def task_arithmetic_recipe(base: Path, experts: Sequence[Path], weight: float) -> dict[str, Any]:
@@ -51,7 +51,9 @@ def run_mergekit(recipe: dict[str, Any], out_dir: Path) -> Path:
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
 
-    import mergekit_bmm  # noqa: F401  (registers bmm, applies the compatibility patches)
+    from mergekit_bmm.plugin import activate
+
+    activate()
 
     out_dir = Path(out_dir)
     if out_dir.exists():

@@ -21,7 +21,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from bench.merging import report
-from bench.merging.anchors import materialise, tune_anchor
+from bench.merging.anchor_tuning import materialise, tune_anchor
 from bench.merging.cache import ScoreCache, read_json, stable_key, write_json
 from bench.merging.config import AnchorSpec, RunConfig
 from bench.merging.encoder import load_encoder, prepare_encoder
@@ -30,10 +30,9 @@ from bench.merging.heads import build_head
 from bench.merging.merging import recipe_key, run_mergekit
 from bench.merging.scoring import ScoredTask, mean, score_model
 from bench.merging.searches import bmm_template, collect_stats, run_search, search_config
+from bench.merging.stages import STAGES  # noqa: E402
 from bench.merging.tasks import build_task_data
 from mergekit_bmm.errors import ConfigError
-
-STAGES = ("data", "heads", "experts", "scores", "task_arithmetic", "anchors", "bmm", "ablation", "language")
 
 
 def say(message: str) -> None:
@@ -129,12 +128,16 @@ def run_benchmark(
     write_manifest(config, cache_dir, art)
     if stop >= STAGES.index("anchors") and config.anchors:
         _anchors(config, cache_dir, art, encoder, results)
+    if stop >= STAGES.index("sweeps") and config.sweeps.anchor:
+        _sweeps(config, cache_dir, art, results, results_dir / config.name)
     # data-free searches, then the ablation (it reuses the BO search of its cell), then data-assisted
     for setting in config.search.settings:
         if stop >= STAGES.index("bmm") and config.search.anchors:
             _bmm(config, cache_dir, art, results, setting)
         if setting == config.ablation.setting and stop >= STAGES.index("ablation") and config.ablation.anchor:
             _ablation(config, cache_dir, art, results)
+    if stop >= STAGES.index("scores"):
+        add_intervals(config, cache_dir, art, results)
     if stop >= STAGES.index("language") and config.language.enabled:
         from bench.merging.language.track import run_language_track
 
@@ -212,7 +215,7 @@ def _scores(config: RunConfig, cache_dir: Path, art: Artifacts, encoder: Encoder
         "pretrained",
         limits(config),
     )
-    report.add_row(results, "pretrained", "anchor", pretrained, {})
+    report.add_row(results, "pretrained", "anchor", pretrained, {})["model_id"] = art.encoder_fingerprint
     for task in tqdm(tasks, desc="score experts", leave=False):
         path = art.experts[task.name]
         own = score_model(
@@ -271,7 +274,8 @@ def _tune(spec: AnchorSpec, config: RunConfig, cache_dir: Path, art: Artifacts, 
         hyper = {tuned["parameter"]: tuned["value"], "validation_sweep": tuned["sweep"]}
     else:  # nothing to tune: the method's own settings
         hyper = {**spec.parameters, **spec.model_parameters, "validation_sweep": tuned["sweep"]}
-    report.add_row(results, spec.name, "anchor", final["scores"], hyper, budget=len(tuned["sweep"]))
+    row = report.add_row(results, spec.name, "anchor", final["scores"], hyper, budget=len(tuned["sweep"]))
+    row["model_id"] = final["key"]
     art.anchors[spec.name] = tuned["folder"]
     results.setdefault("anchor_runtime", {})[spec.name] = {
         "merge_seconds": tuned["merge_seconds"],
@@ -323,6 +327,36 @@ def _stats(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
     say(f"stats     {config.stats.max_samples} sequences per task -> {art.stats} ({seconds} s)")
 
 
+def _sweeps(config: RunConfig, cache_dir: Path, art: Artifacts, results, folder: Path) -> None:
+    """Validation along one λ group or s at a time (bench/merging/sweeps.py), data-free and data-assisted."""
+    from bench.merging.sweeps import run_sweeps
+    from mergekit_bmm.core.module_map import GROUP_NAMES
+
+    spec = config.sweeps
+    experts = [art.experts[task.name] for task in art.tasks.values()]
+    _stats(config, cache_dir, art, {"timings": {}})
+    searches = {}
+    for setting in spec.settings:
+        template = bmm_template(art.encoder, experts, _anchor_folder(spec.anchor, art), setting, art.stats)
+        searches[setting] = {
+            "recipe": template,
+            "blocks": 1,
+            "groups": list(GROUP_NAMES),
+            "lambda_range": [min(spec.lambdas), max(spec.lambdas)],
+            "scale_range": [min(spec.scales), max(spec.scales)],
+            "budget": 1,
+            "n_initial": 1,
+            "strategy": "random",
+            "evaluator": evaluator_block(config, art, "validation"),
+        }
+    anchor_row = report.find_row(results, spec.anchor) if spec.anchor != "pretrained" else None
+    anchor_validation = anchor_row["validation_avg"] if anchor_row else None
+    folder.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    results["sweeps"] = run_sweeps(spec, searches, anchor_validation, cache_dir, folder)
+    say(f"sweeps    {spec.anchor}: {len(searches)} settings, {round(time.time() - started)} s -> sweeps.png")
+
+
 def _anchor_folder(name: str, art: Artifacts) -> Path | None:
     if name == "pretrained":
         return None
@@ -338,7 +372,7 @@ def _search_folder(config: RunConfig, cache_dir: Path, label: str, search: dict[
 
 
 def _one_search(
-    config: RunConfig, cache_dir: Path, art: Artifacts, anchor: str, setting: str, strategy: str
+    config: RunConfig, cache_dir: Path, art: Artifacts, anchor: str, setting: str, strategy: str, seed: int
 ) -> dict[str, Any]:
     """One ``mergekit-bmm-search``, its best model scored on validation and test."""
     tasks = list(art.tasks.values())
@@ -346,11 +380,16 @@ def _one_search(
     if setting == "data_assisted":
         _stats(config, cache_dir, art, {"timings": {}})
     template = bmm_template(art.encoder, experts, _anchor_folder(anchor, art), setting, art.stats)
-    search = search_config(config.search, template, evaluator_block(config, art, "validation"), strategy)
-    folder = _search_folder(config, cache_dir, f"{anchor}-{setting}-{strategy}", search)
+    search = search_config(
+        config.search, template, evaluator_block(config, art, "validation"), strategy, seed
+    )
+    label = f"{anchor}-{setting}-{strategy}" + (f"-seed{seed}" if seed else "")
+    folder = _search_folder(config, cache_dir, label, search)
+    factors = cache_dir / "factors" / config.name / f"{anchor}-{setting}"  # shared by the cell's searches
     started = time.time()
-    outcome = run_search(search, folder, config.search.threads)
+    outcome = run_search(search, folder, config.search.threads, config.search.workers, factors)
     recipe = yaml.safe_load(outcome["best_yml"].read_text(encoding="utf-8"))
+    recipe["parameters"].pop("cache", None)  # where the factors were kept does not change the model
     key = recipe_key(recipe)
     best_dir = outcome["best_dir"]
     scores = score_model(
@@ -360,13 +399,15 @@ def _one_search(
         config.max_length,
         config.eval_batch_size,
         ScoreCache(cache_dir),
-        f"{anchor} {setting} {strategy}",
+        f"{anchor} {setting} {strategy} seed {seed}",
         limits(config),
     )
     validation = mean([scores[(t.name, "validation")] for t in tasks])
     outcome.update(
         scores=scores,
         folder=folder,
+        model_id=key,
+        seed=seed,
         validation_rescored=validation,
         seconds_this_run=round(time.time() - started, 1),
     )
@@ -374,26 +415,45 @@ def _one_search(
 
 
 def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: str) -> None:
-    """BMM over each anchor in one setting, λ/s from ``mergekit-bmm-search``."""
+    """BMM over each anchor in one setting, λ/s from ``mergekit-bmm-search``, one search per seed."""
     cells = [(anchor, setting) for anchor in config.search.anchors]
     runtime = results.setdefault("bmm_runtime", {})
     for anchor, setting in tqdm(cells, desc="bmm searches", leave=False):
-        outcome = _one_search(config, cache_dir, art, anchor, setting, "bo")
-        hyper = {
-            "best_values": outcome["best_values"],
-            "search_validation": outcome["best_validation"],
-            "search": str(outcome["folder"]),
+        outcomes = [
+            _one_search(config, cache_dir, art, anchor, setting, "bo", seed) for seed in config.search.seeds
+        ]
+        seeds = [
+            {
+                "seed": outcome["seed"],
+                "model_id": outcome["model_id"],
+                "avg": round(mean([outcome["scores"][(t, "test")] for t in art.tasks]), 4),
+                "validation_avg": round(mean([outcome["scores"][(t, "validation")] for t in art.tasks]), 4),
+                "per_task": {t: round(outcome["scores"][(t, "test")], 4) for t in art.tasks},
+                "best_values": outcome["best_values"],
+                "search_validation": outcome["best_validation"],
+                "box_changes": outcome["box_changes"],
+                "search": str(outcome["folder"]),
+            }
+            for outcome in outcomes
+        ]
+        scores = {
+            (t, split): mean([outcome["scores"][(t, split)] for outcome in outcomes])
+            for t in art.tasks
+            for split in ("validation", "test")
         }
-        report.add_row(results, anchor, setting, outcome["scores"], hyper, budget=outcome["trials"])
+        first = outcomes[0]
+        hyper = {"best_values": first["best_values"], "search_validation": first["best_validation"]}
+        row = report.add_row(results, anchor, setting, scores, hyper, budget=first["trials"])
+        row["seeds"] = seeds
         runtime[f"{anchor}/{setting}"] = {
-            "trials": outcome["trials"],
-            "failed": outcome["failed"],
-            **outcome["times"],
+            "trials": sum(o["trials"] for o in outcomes),
+            "failed": sum(o["failed"] for o in outcomes),
+            **{key: round(sum(o["times"][key] for o in outcomes), 1) for key in first["times"]},
         }
+        spread = [seed["avg"] for seed in seeds]
         say(
-            f"bmm       {anchor:16s} {setting:13s} K={outcome['trials']} search val "
-            f"{100 * outcome['best_validation']:.1f} (rescored {100 * outcome['validation_rescored']:.1f}) "
-            f"test {100 * mean([outcome['scores'][(t, 'test')] for t in art.tasks]):.1f}"
+            f"bmm       {anchor:16s} {setting:13s} K={first['trials']} x {len(seeds)} seeds, test "
+            f"{100 * mean(spread):.1f} (seeds {', '.join(f'{100 * v:.1f}' for v in spread)})"
         )
 
 
@@ -402,7 +462,9 @@ def _ablation(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> No
     spec = config.ablation
     rows = []
     for strategy in tqdm([*spec.strategies, "bo"], desc="ablation", leave=False):
-        outcome = _one_search(config, cache_dir, art, spec.anchor, spec.setting, strategy)
+        outcome = _one_search(
+            config, cache_dir, art, spec.anchor, spec.setting, strategy, config.search.seeds[0]
+        )
         rows.append(
             {
                 "strategy": strategy,
@@ -488,7 +550,7 @@ def score_folder(
 
     ``split_limits`` (the run's ``evaluation`` subsets) makes them comparable with the table.
     """
-    from mergekit_bmm.fingerprint import model_fingerprint
+    from mergekit_bmm.io.fingerprint import model_fingerprint
 
     known = tasks_from_manifest(manifest)
     unknown = sorted(set(tasks or []) - set(known))
@@ -556,3 +618,52 @@ def write_manifest(config: RunConfig, cache_dir: Path, art: Artifacts) -> Path:
                 yaml.safe_dump(block, sort_keys=False), encoding="utf-8"
             )
     return folder / "manifest.json"
+
+
+def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: dict[str, Any]) -> None:
+    """95 % bootstrap intervals of every row's test average; for BMM rows the paired Δ against
+    their anchor (seed-averaged per example) and the share of the anchor-to-experts gap closed."""
+    from bench.merging.intervals import interval, paired_difference, seed_mean
+    from bench.merging.scoring import correct_flags
+
+    cache, tasks = ScoreCache(cache_dir), list(art.tasks.values())
+    test_limit = limits(config).get("test")
+
+    def flags(model_id: str) -> dict[str, list[bool]]:
+        return {
+            t.name: correct_flags(model_id, t, "test", config.max_length, cache, test_limit) for t in tasks
+        }
+
+    indiv = {
+        t.name: correct_flags(
+            art.records[f"expert/{t.name}"]["fingerprint"], t, "test", config.max_length, cache, test_limit
+        )
+        for t in tasks
+        if f"expert/{t.name}" in art.records
+    }
+    if len(indiv) == len(tasks):
+        results["indiv_ci"] = [round(v, 4) for v in interval(indiv)]
+    anchors: dict[str, dict[str, list[bool]]] = {}
+    for row in results["rows"]:
+        try:
+            if row["setting"] == "anchor" and row.get("model_id"):
+                anchors[row["anchor"]] = flags(row["model_id"])
+                row["ci"] = [round(v, 4) for v in interval(anchors[row["anchor"]])]
+            elif row.get("seeds"):
+                expected = seed_mean([flags(seed["model_id"]) for seed in row["seeds"]])
+                row["ci"] = [round(v, 4) for v in interval(expected)]
+                row["seed_std"] = round(float(_std([seed["avg"] for seed in row["seeds"]])), 4)
+                base = anchors.get(row["anchor"])
+                if base is not None:
+                    row["delta"] = [round(v, 4) for v in paired_difference(expected, base)]
+                    if len(indiv) == len(tasks):
+                        gap = interval(indiv)[0] - interval(base)[0]
+                        row["gap_closed"] = round(row["delta"][0] / gap, 4) if abs(gap) > 1e-9 else None
+        except KeyError as missing:  # a row scored before per-example scores were kept
+            say(f"intervals: {missing}")
+
+
+def _std(values: list[float]) -> float:
+    import statistics
+
+    return statistics.stdev(values) if len(values) > 1 else 0.0

@@ -92,8 +92,12 @@ def add_row(
     return row
 
 
-def _row(results, anchor: str, setting: str = "anchor") -> dict[str, Any] | None:
+def find_row(results, anchor: str, setting: str = "anchor") -> dict[str, Any] | None:
+    """The row of ``anchor`` in ``setting`` (``anchor``, ``data_free``, ``data_assisted``), if any."""
     return next((r for r in results["rows"] if (r["anchor"], r["setting"]) == (anchor, setting)), None)
+
+
+_row = find_row
 
 
 def dynamic_range(results: dict[str, Any]) -> dict[str, float] | None:
@@ -171,10 +175,26 @@ def _values(row: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
 
 
+def _ci(row_or_values) -> str:
+    values = row_or_values.get("ci") if isinstance(row_or_values, dict) else row_or_values
+    return f" [{100 * values[1]:.1f}, {100 * values[2]:.1f}]" if values else ""
+
+
 def table1(results: dict[str, Any]) -> str:
-    """Paper Table 1 in kind: each anchor, then BMM over it, with the change over that anchor."""
+    """Paper Table 1 in kind: each anchor, then BMM over it: test accuracy with its 95 % bootstrap
+    interval, the paired Δ against that anchor with its interval, the share of the anchor-to-experts
+    gap closed, and the spread over search seeds."""
     tasks = results["tasks"]
-    header = ["method", *tasks, "avg", "Δ vs anchor (pts)", "Δ rel. (%)", "K", "tuned on validation"]
+    header = [
+        "method",
+        *tasks,
+        "avg [95% CI]",
+        "Δ vs anchor [95% CI]",
+        "gap closed",
+        "seeds (sd)",
+        "K",
+        "tuned on validation",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
     def pct(value) -> str:
@@ -188,23 +208,64 @@ def table1(results: dict[str, Any]) -> str:
             if row is None or row["avg"] is None:
                 continue
             name = ANCHOR_LABELS.get(anchor, anchor) + SETTING_LABELS[setting]
-            if setting != "anchor" and base and base["avg"] is not None:
-                delta = row["avg"] - base["avg"]
-                change = f"{100 * delta:+.1f}"
-                rel = f"{100 * delta / base['avg']:+.1f}" if base["avg"] else "–"
-            else:
-                change = rel = ""
+            change = gap = spread = ""
+            if setting != "anchor":
+                name = f"**{name}**"
+                delta = row.get("delta")
+                if delta:
+                    change = f"{100 * delta[0]:+.1f}{_ci(delta)}"
+                elif base and base["avg"] is not None:
+                    change = f"{100 * (row['avg'] - base['avg']):+.1f}"
+                if row.get("gap_closed") is not None:
+                    gap = f"{100 * row['gap_closed']:.0f}%"
+                seeds = row.get("seeds") or []
+                if len(seeds) > 1:
+                    spread = f"{len(seeds)} seeds, ±{100 * row['seed_std']:.1f}"
             cells = [pct(row["per_task"].get(task)) for task in tasks]
-            name = f"**{name}**" if setting != "anchor" else name
             lines.append(
                 f"| {name} | "
                 + " | ".join(cells)
-                + f" | {pct(row['avg'])} | {change} | {rel} | {row.get('budget') or ''} | {_values(row)} |"
+                + f" | {pct(row['avg'])}{_ci(row)} | {change} | {gap} | {spread} | {row.get('budget') or ''} "
+                f"| {_values(row)} |"
             )
     if len(results["indiv"]) == len(tasks):
         cells = [pct(results["indiv"][task]) for task in tasks]
         avg = sum(results["indiv"].values()) / len(tasks)
-        lines.append("| Indiv. (each expert on its task) | " + " | ".join(cells) + f" | {pct(avg)} | | | | |")
+        ci = _ci(results.get("indiv_ci"))
+        lines.append(
+            "| Indiv. (each expert on its task) | " + " | ".join(cells) + f" | {pct(avg)}{ci} | | | | | |"
+        )
+    note = (
+        "\n\nTest accuracy (%) on every test example of each task; avg = mean over tasks. Intervals: 95 % "
+        "bootstrap over test examples (stratified by task, 2,000 replicates); Δ is paired (the same examples "
+        "for both models) and, for BMM, uses each example's share of search seeds that got it right. Gap "
+        "closed = Δ / (Indiv. − anchor). BMM cells show the mean over seeds; `tuned on validation` shows "
+        "the first seed's values."
+    )
+    return "\n".join(lines) + note
+
+
+def sweeps_markdown(results: dict[str, Any]) -> str:
+    """The sweeps' numbers: validation at each point, per setting, and the size of U against U0."""
+    sweeps = results.get("sweeps")
+    if not sweeps:
+        return ""
+    lines = []
+    for setting, result in sweeps["settings"].items():
+        lines += [
+            f"**{setting}** (validation avg %, and ‖U‖/‖U0‖ of the swept group; s: mean over groups)",
+            "",
+        ]
+        lines += [
+            "| along | value | validation | ‖U‖/‖U0‖ |",
+            "|---|---|---|---|",
+        ]
+        for point in result["points"]:
+            ratio = point["norm_ratio"]
+            shown = ratio.get(point["along"]) if point["along"] in ratio else sum(ratio.values()) / len(ratio)
+            value = "" if point["value"] is None else f"{point['value']:g}"
+            lines.append(f"| {point['along']} | {value} | {100 * point['validation']:.1f} | {shown:.2f} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -463,6 +524,14 @@ def write(results: dict[str, Any], folder: Path) -> None:
         text += ["## Anchors and BMM (Table 1 in kind)", "", table1(results), ""]
         if panels:
             text += ["![per-task test accuracy per anchor](per_anchor.png)", ""]
+        if results.get("sweeps"):
+            text += [
+                "## Sweeps: validation along one λ group or s at a time",
+                "",
+                "![sweeps](sweeps.png)",
+                "",
+                sweeps_markdown(results),
+            ]
         if results.get("ablation"):
             text += ["## Search strategy ablation (Table 3 in kind)", "", ablation_table(results), ""]
         if results.get("bmm_runtime"):

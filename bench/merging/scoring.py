@@ -3,7 +3,10 @@
 Every score goes through :func:`mergekit_bmm.evaluation.classification.task_logits`, the
 same function the search's classification evaluator uses, and is cached by the model's
 identity (weights fingerprint, or a merge recipe's key), the task data, the head, the
-split and the token length: re-running a benchmark never scores a model twice.
+split and the token length: re-running a benchmark never scores a model twice. The cache
+keeps, besides the accuracy, which examples the model got right (``correct``, one
+character per example in data order), so intervals can be bootstrapped and two models
+compared example by example.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def score_model(
     missing = []
     for task, split in jobs:
         record = cache.get(score_key(model_id, task, split, max_length, limits.get(split)))
-        if record is None:
+        if record is None or "correct" not in record:
             missing.append((task, split))
         else:
             scores[(task.name, split)] = record["accuracy"]
@@ -85,8 +88,10 @@ def score_model(
                 model, tokenizer, task.evaluator_task(split, limit), max_length, batch_size
             )
             value = accuracy(logits, labels)
+            right = "".join("1" if hit else "0" for hit in (logits.argmax(dim=-1) == labels).tolist())
             cache.put(
-                score_key(model_id, task, split, max_length, limit), {"accuracy": value, "n": len(labels)}
+                score_key(model_id, task, split, max_length, limit),
+                {"accuracy": value, "n": len(labels), "correct": right},
             )
             scores[(task.name, split)] = value
     return scores
@@ -94,3 +99,18 @@ def score_model(
 
 def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
+
+
+def correct_flags(
+    model_id: str,
+    task: ScoredTask,
+    split: str,
+    max_length: int,
+    cache: ScoreCache,
+    limit: int | None = None,
+) -> list[bool]:
+    """Which examples of ``task``'s ``split`` a scored model got right (from the score cache)."""
+    record = cache.get(score_key(model_id, task, split, max_length, limit))
+    if record is None or "correct" not in record:
+        raise KeyError(f"no per-example score of {model_id} on {task.name}/{split}; score it first")
+    return [flag == "1" for flag in record["correct"]]

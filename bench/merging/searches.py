@@ -36,7 +36,7 @@ def _run(command: str, args: list[str], log: Path) -> None:
     import contextlib
 
     from mergekit_bmm.cli.search import main as search_main
-    from mergekit_bmm.cli.stats_command import main as stats_main
+    from mergekit_bmm.cli.stats import main as stats_main
 
     entry = {"mergekit-bmm-stats": stats_main, "mergekit-bmm-search": search_main}[command]
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -80,9 +80,7 @@ def collect_stats(
     config_path = folder.with_name(folder.name + ".yml")
     config_path.write_text(yaml.safe_dump(stats_yml, sort_keys=False), encoding="utf-8")
     started = time.time()
-    _run(
-        "mergekit-bmm-stats", [str(config_path), "--out", str(folder)], folder.with_name(folder.name + ".log")
-    )
+    _run("mergekit-bmm-stats", [str(config_path), str(folder)], folder.with_name(folder.name + ".log"))
     seconds = round(time.time() - started, 1)
     write_json(record, {"seconds": seconds, "stats_yml": stats_yml})
     return folder, seconds
@@ -112,25 +110,30 @@ def bmm_template(
 
 
 def search_config(
-    spec: SearchSpec, template: dict[str, Any], evaluator: dict[str, Any], strategy: str
+    spec: SearchSpec, template: dict[str, Any], evaluator: dict[str, Any], strategy: str, seed: int
 ) -> dict[str, Any]:
     config: dict[str, Any] = {
         "recipe": template,
         "blocks": spec.blocks,
         "groups": list(spec.groups),
-        "lambda_range": list(spec.lambda_range),
-        "scale_range": list(spec.scale_range) if spec.scale_range else None,
         "budget": spec.budget,
         "n_initial": min(spec.n_initial, spec.budget),
         "acq_optimizer": spec.acq_optimizer,
         "strategy": strategy,
-        "seed": spec.seed,
+        "seed": seed,
+        "widen_box": spec.widen_box,
         "evaluator": evaluator,
     }
+    if spec.lambda_range is not None:
+        config["lambda_range"] = list(spec.lambda_range)
+    if spec.scale_range is not None:
+        config["scale_range"] = list(spec.scale_range)
     return config
 
 
-def run_search(config: dict[str, Any], folder: Path, threads: int) -> dict[str, Any]:
+def run_search(
+    config: dict[str, Any], folder: Path, threads: int, workers: int = 1, cache: Path | None = None
+) -> dict[str, Any]:
     """Run (or resume, or reuse) one ``mergekit-bmm-search``; its summary and time splits."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     config_path = folder.with_name(folder.name + ".search.yml")
@@ -141,18 +144,18 @@ def run_search(config: dict[str, Any], folder: Path, threads: int) -> dict[str, 
         summary = read_json(summary_path)
         finished = summary.get("status") == "finished" and (folder / "best.yml").is_file()
     if not finished:
-        args = [str(config_path), "--out", str(folder), "--device", "cpu", "-j", str(threads)]
+        args = [str(config_path), str(folder), "--device", "cpu", "-j", str(threads)]
+        args += ["--workers", str(workers)]
+        if cache is not None:
+            args += ["--cache-dir", str(cache)]
         _run("mergekit-bmm-search", args, folder.with_name(folder.name + ".log"))
     return read_search(folder)
 
 
 def read_search(folder: Path) -> dict[str, Any]:
     summary = read_json(folder / "summary.json")
-    trials = [
-        json.loads(line)
-        for line in (folder / "trials.jsonl").read_text(encoding="utf-8").splitlines()
-        if line.strip()
-    ]
+    lines = (folder / "trials.jsonl").read_text(encoding="utf-8").splitlines()
+    trials = [item for item in (json.loads(line) for line in lines if line.strip()) if "event" not in item]
     times = {"merge": 0.0, "evaluate": 0.0, "surrogate": 0.0}
     for trial in trials:
         for key in times:
@@ -169,4 +172,6 @@ def read_search(folder: Path) -> dict[str, Any]:
         "best_yml": folder / "best.yml",
         "best_dir": folder / "best",
         "curve": [t.get("score") for t in trials],
+        "box_changes": summary.get("box_changes") or [],
+        "box": summary.get("box") or {},
     }

@@ -87,11 +87,11 @@ def solve_normal(gram: torch.Tensor, cross: torch.Tensor, fallback: torch.Tensor
     """``cross · gram⁻¹`` for a symmetric PSD ``gram``: the stationary point of a quadratic merge.
 
     Cholesky when ``gram`` is numerically nonsingular (every pivot above the zero tolerance
-    of :func:`mergekit_bmm.closed_form.zero_tolerance`). Otherwise the exact λ → 0⁺ limit
-    of the ridge solution from :mod:`mergekit_bmm.closed_form`: the pseudo-inverse solution
+    of :func:`mergekit_bmm.core.closed_form.zero_tolerance`). Otherwise the exact λ → 0⁺ limit
+    of the ridge solution from :mod:`mergekit_bmm.core.closed_form`: the pseudo-inverse solution
     in the directions ``gram`` sees, and ``fallback`` in the directions it does not.
     """
-    from mergekit_bmm import closed_form
+    from mergekit_bmm.core import closed_form
 
     d_in = gram.shape[-1]
     scale = float(torch.diagonal(gram).max()) if gram.numel() else 0.0

@@ -50,18 +50,15 @@ def regmean_merge(
     vectors = as_matrices(task_vectors, "regmean")
     if len(grams) != len(vectors):
         raise TensorInputError(f"regmean got {len(grams)} Grams for {len(vectors)} task vectors")
-    out_features, in_features = vectors[0].shape
+    from mergekit_bmm.core.closed_form import activation_equations
+
     dtype, device = vectors[0].dtype, vectors[0].device
-    total_gram = vectors[0].new_zeros((in_features, in_features))
-    cross = vectors[0].new_zeros((out_features, in_features))
-    for index, (vector, gram) in enumerate(zip(vectors, grams)):
-        if gram.shape != (in_features, in_features):
-            raise TensorInputError(
-                f"regmean: Gram {index} has shape {tuple(gram.shape)}, expected "
-                f"({in_features}, {in_features}) for a weight of shape ({out_features}, {in_features})"
-            )
-        shrunk = shrink_off_diagonal(gram.to(device=device, dtype=dtype), off_diagonal_scale)
-        total_gram += shrunk
-        cross += vector @ shrunk
-        del shrunk
-    return solve_normal(total_gram, cross, mean_task_vector(vectors))
+    in_features = vectors[0].shape[1]
+    shrunk = [
+        shrink_off_diagonal(gram.to(device=device, dtype=dtype), off_diagonal_scale)
+        if gram.shape == (in_features, in_features)
+        else gram  # activation_equations names the misfit
+        for gram in grams
+    ]
+    equations = activation_equations(vectors, shrunk, dtype)
+    return solve_normal(equations.gram, equations.cross, mean_task_vector(vectors))

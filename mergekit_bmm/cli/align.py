@@ -1,4 +1,5 @@
-"""``mergekit-bmm-align``: how well U_tᵀU_t stands in for the activation Gram (Theorem 1)."""
+"""``mergekit-bmm-align RECIPE OUT_PATH --stats STATS_DIR``: how well U_tᵀU_t stands in for the
+activation Gram (Theorem 1)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ from pathlib import Path
 
 import click
 
+from mergekit_bmm.cli.options import apply_options, command, compute_options, force_option, output_path
 from mergekit_bmm.errors import ConfigError, exit_on_bmm_error
 
 REPORT_FILES = ("alignment.csv", "alignment.json", "alignment.png")
 
 
-@click.command("mergekit-bmm-align")
-@click.argument("recipe", type=click.Path(dir_okay=False))
+@command("mergekit-bmm-align")
+@click.argument("recipe", metavar="RECIPE", type=click.Path(dir_okay=False))
+@output_path()
 @click.option(
     "--stats",
     "stats_dir",
@@ -20,33 +23,35 @@ REPORT_FILES = ("alignment.csv", "alignment.json", "alignment.png")
     type=click.Path(),
     help="Statistics directory (mergekit-bmm-stats).",
 )
-@click.option(
-    "--out",
-    "out_dir",
-    default="bmm-alignment",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Folder for alignment.png, alignment.csv and alignment.json.",
-)
-@click.option("--overwrite", is_flag=True, help="Replace an earlier report in --out.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-def main(recipe: str, stats_dir: str, out_dir: str, overwrite: bool, quiet: bool) -> None:
+@force_option("an earlier report in OUT_PATH")
+@compute_options
+def main(merge_options, recipe: str, out_path: str, stats_dir: str, force: bool) -> None:
     """Per task and module, cos_F(G_t, U_tᵀU_t) between the activation Gram G_t of task t (from
-    --stats) and the Gram of its task vector U_t = W_t − W_pre (experts and base from RECIPE).
+    --stats) and the Gram of its task vector U_t = W_t − W_pre (experts and base from RECIPE);
+    alignment.png, alignment.csv and alignment.json go to OUT_PATH.
 
     Theorem 1 predicts positive values; data-free BMM relies on them.
     """
-    from mergekit_bmm.alignment import alignment_rows, recipe_inputs, summarize, summary_table, write_report
+    from mergekit_bmm.stats.alignment import (
+        alignment_rows,
+        recipe_inputs,
+        summarize,
+        summary_table,
+        write_report,
+    )
 
     with exit_on_bmm_error():
-        out = Path(out_dir)
+        out = Path(out_path)
         existing = [name for name in REPORT_FILES if (out / name).exists()]
-        if existing and not overwrite:
+        if existing and not force:
             raise ConfigError(
-                f"{out / existing[0]} exists; pass another --out or --overwrite to replace the report"
+                f"{out / existing[0]} exists; pass another OUT_PATH or --force to replace the report"
             )
+        apply_options(merge_options)
         base, experts = recipe_inputs(recipe)
-        rows = alignment_rows(stats_dir, base, experts, progress=not quiet)
+        rows = alignment_rows(
+            stats_dir, base, experts, progress=not merge_options.quiet, device=merge_options.device
+        )
         summaries = summarize(rows)
         paths = write_report(rows, summaries, out)
     click.echo("\ncos_F(activation Gram, U_tᵀU_t) over modules, per task (and mean per module group):\n")

@@ -18,6 +18,8 @@ import click
 import torch
 import yaml
 
+from mergekit_bmm.cli.options import command, output_path
+
 
 def _recipe(family, method: str) -> dict:
     models = [{"model": str(path), "parameters": {"weight": 0.3}} for path in family.experts]
@@ -38,7 +40,6 @@ def _merge(recipe_path: Path, out_dir: Path) -> float:
         str(recipe_path),
         str(out_dir),
         "--quiet",
-        "--no-copy-tokenizer",
     ]
     start = time.perf_counter()
     result = subprocess.run(
@@ -57,7 +58,7 @@ def _metrics(merged: dict, base: dict, experts: list[dict], rank: int = 4) -> di
       of U_t = W_t − W_pre: how well the merge keeps what expert t does on the inputs it
       was tuned for (the quantity BMM's regression targets).
     """
-    from mergekit_bmm.module_map import classify
+    from mergekit_bmm.core.module_map import classify
 
     sums: dict[str, list[float]] = {}
     counts: dict[str, int] = {}
@@ -83,29 +84,24 @@ def _metrics(merged: dict, base: dict, experts: list[dict], rank: int = 4) -> di
     return {key: [value / counts[key] for value in row] for key, row in sums.items()}
 
 
-@click.command("mergekit-bmm-demo")
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Folder for models and merges (default: a new temporary folder).",
-)
+@command("mergekit-bmm-demo")
+@output_path(required=False)
 @click.option(
     "--architecture",
     type=click.Choice(["llama", "qwen2", "mistral", "gpt2", "bert"]),
     default="llama",
     show_default=True,
 )
-def main(out_dir: str | None, architecture: str) -> None:
-    """Merge tiny generated experts with task_arithmetic and bmm and compare them."""
+def main(out_path: str | None, architecture: str) -> None:
+    """Merge tiny generated experts with task_arithmetic and bmm and compare them; models,
+    recipes and merges go to OUT_PATH (default: a new temporary folder)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from mergekit_bmm.checkpoint import load_state_dict
-    from mergekit_bmm.tiny_models import make_tiny_family
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
+    from mergekit_bmm.io.checkpoint import load_state_dict
 
-    root = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="bmm-demo-"))
+    root = Path(out_path) if out_path else Path(tempfile.mkdtemp(prefix="bmm-demo-"))
     if root.exists() and any(root.iterdir()):
-        raise click.UsageError(f"{root} is not empty; pass a new --out folder (nothing is overwritten)")
+        raise click.UsageError(f"{root} is not empty; pass a new OUT_PATH folder (nothing is overwritten)")
     click.echo(f"[1/3] generating a tiny {architecture} base and 3 experts in {root}/models ...")
     family = make_tiny_family(root / "models", architecture, n_experts=3)
     base = load_state_dict(family.base)
@@ -120,7 +116,11 @@ def main(out_dir: str | None, architecture: str) -> None:
         results[method] = (seconds, _metrics(load_state_dict(root / method), base, experts))
 
     _print_table(results, [path.name for path in family.experts])
-    click.echo(f"Recipes and merged models are in {root}")
+    folders = ", ".join(f"{path.name}/" for path in [family.base, *family.experts])
+    click.echo(f"\nmodels (with tokenizers): {root / 'models'}/ ({folders})")
+    click.echo(f"recipes: {root}/task_arithmetic.yml, {root}/bmm.yml")
+    click.echo(f"merged:  {root}/task_arithmetic/, {root}/bmm/")
+    click.echo("Merge again, or edit a recipe first: mergekit-yaml <recipe> <new folder>")
 
 
 def _print_table(results: dict, names: list[str]) -> None:
@@ -137,7 +137,7 @@ def _print_table(results: dict, names: list[str]) -> None:
         for group in ("attn_in", "attn_out", "mlp_in", "mlp_out", "all"):
             cells = " ".join(f"{value:>8.4f}" for value in table[group])
             timing = f"{seconds:>9.2f}" if group == "all" else ""
-            click.echo(f"{method:<16} {group:<9} {cells} {timing}")
+            click.echo(f"{method:<16} {group:<9} {cells} {timing}".rstrip())
     click.echo("\ntime: wall time of the whole mergekit-yaml command (mostly start-up on tiny models).")
 
 

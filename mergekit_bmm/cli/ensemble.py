@@ -1,4 +1,5 @@
-"""``mergekit-bmm-ensemble``: accuracy and calibration (ECE) of a sampled ensemble against its MAP merge."""
+"""``mergekit-bmm-ensemble SAMPLES_DIR [OUT_PATH] --tasks TASKS``: accuracy and calibration (ECE) of a
+sampled ensemble against its MAP merge."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from pathlib import Path
 
 import click
 
+from mergekit_bmm.cli.options import apply_options, command, compute_options, force_option, output_path
 from mergekit_bmm.errors import ConfigError, exit_on_bmm_error
+from mergekit_bmm.io.atomic import atomic_write_json
 
 REPORT_NAME = "ensemble.json"
 
@@ -20,7 +23,7 @@ def ensemble_members(samples_dir: Path) -> tuple[list[Path], Path | None]:
     if (samples_dir / INCOMPLETE_MARKER).exists() or not summary.is_file():
         raise ConfigError(
             f"{samples_dir} holds no finished mergekit-bmm-sample run (no {SUMMARY_NAME}); "
-            "run mergekit-bmm-sample --out there first, or let it finish"
+            "run mergekit-bmm-sample RECIPE SAMPLES_DIR first, or let it finish"
         )
     members = [samples_dir / name for name in json.loads(summary.read_text(encoding="utf-8"))["members"]]
     missing = [str(member) for member in members if not member.is_dir()]
@@ -30,8 +33,9 @@ def ensemble_members(samples_dir: Path) -> tuple[list[Path], Path | None]:
     return members, (map_dir if map_dir.is_dir() else None)
 
 
-@click.command("mergekit-bmm-ensemble")
-@click.argument("samples_dir", type=click.Path(file_okay=False))
+@command("mergekit-bmm-ensemble")
+@click.argument("samples_dir", metavar="SAMPLES_DIR", type=click.Path(file_okay=False))
+@output_path(required=False)
 @click.option(
     "--tasks",
     "tasks_file",
@@ -42,25 +46,32 @@ def ensemble_members(samples_dir: Path) -> tuple[list[Path], Path | None]:
 @click.option(
     "--split", default=None, help="Score this split of every task (e.g. test) instead of the file's."
 )
-@click.option("--device", default="cpu", show_default=True, help="Device the members are scored on.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-def main(samples_dir: str, tasks_file: str, split: str | None, device: str, quiet: bool) -> None:
+@force_option(f"an earlier {REPORT_NAME} in OUT_PATH")
+@compute_options
+def main(
+    merge_options, samples_dir: str, out_path: str | None, tasks_file: str, split: str | None, force: bool
+) -> None:
     """Score the members of a mergekit-bmm-sample run in SAMPLES_DIR as one ensemble.
 
     The ensemble averages the members' softmax probabilities (paper eq. 13); accuracy, ECE
     (20 equal-width confidence bins) and NLL are printed per task next to the MAP merge's,
-    and written to SAMPLES_DIR/ensemble.json.
+    and written to OUT_PATH/ensemble.json (default OUT_PATH: SAMPLES_DIR).
     """
-    import mergekit_bmm  # noqa: F401
-    from mergekit_bmm.ensemble import classification_logits_fn, evaluate_ensemble, mean_over_tasks
-    from mergekit_bmm.ensemble_config import load_classification_tasks
+    from mergekit_bmm.plugin import activate
+
+    activate()
+    from mergekit_bmm.ensemble.scoring import classification_logits_fn, evaluate_ensemble, mean_over_tasks
+    from mergekit_bmm.ensemble.tasks import load_classification_tasks
 
     with exit_on_bmm_error():
-        folder = Path(samples_dir)
-        members, map_dir = ensemble_members(folder)
+        members, map_dir = ensemble_members(Path(samples_dir))
         config = load_classification_tasks(tasks_file, split)
-        logits_fn = classification_logits_fn(config, device)
-        ensemble = evaluate_ensemble(members, logits_fn, progress=not quiet)
+        report_path = Path(out_path or samples_dir) / REPORT_NAME
+        if report_path.exists() and not force:
+            raise ConfigError(f"{report_path} exists; pass another OUT_PATH or --force to replace it")
+        apply_options(merge_options)
+        logits_fn = classification_logits_fn(config, merge_options.device)
+        ensemble = evaluate_ensemble(members, logits_fn, progress=not merge_options.quiet)
         map_scores = evaluate_ensemble([map_dir], logits_fn, progress=False) if map_dir else None
     report = {
         "members": len(members),
@@ -73,9 +84,10 @@ def main(samples_dir: str, tasks_file: str, split: str | None, device: str, quie
             "tasks": {name: result.as_dict() for name, result in map_scores.items()},
             "mean": mean_over_tasks(map_scores),
         }
-    (folder / REPORT_NAME).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(report_path, report, allow_nan=True)
     click.echo(_table(report))
-    click.echo(f"\nwrote {folder / REPORT_NAME}")
+    click.echo(f"\nwrote {report_path}")
 
 
 def _table(report: dict) -> str:

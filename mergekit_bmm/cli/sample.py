@@ -1,18 +1,19 @@
-"""``mergekit-bmm-sample``: S merged models from a bmm recipe's posterior (or the i.i.d. baseline)."""
+"""``mergekit-bmm-sample RECIPE OUT_PATH``: S merged models from a bmm recipe's posterior (or the i.i.d.
+baseline)."""
 
 from __future__ import annotations
 
 import math
 
 import click
-from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 
+from mergekit_bmm.cli.options import apply_options, command, force_option, merge_options, output_path
 from mergekit_bmm.errors import exit_on_bmm_error
 
 
-@click.command("mergekit-bmm-sample", cls=PrettyPrintHelp)
-@click.argument("recipe", type=click.Path(dir_okay=False))
-@click.option("--out", "out_dir", required=True, type=click.Path(), help="New folder for map/ and sample-*/.")
+@command("mergekit-bmm-sample", merging=True)
+@click.argument("recipe", metavar="RECIPE", type=click.Path(dir_okay=False))
+@output_path()
 @click.option("--samples", "-S", type=int, default=10, show_default=True, help="Number of merged models.")
 @click.option("--beta", type=float, default=None, help="Posterior noise precision β > 0 (inf: the MAP).")
 @click.option("--iid-sigma", type=float, default=None, help="Baseline instead: U_MAP + σ·N(0, I).")
@@ -22,31 +23,37 @@ from mergekit_bmm.errors import exit_on_bmm_error
     default=None,
     help="Sample only tensors whose name contains this (default: every tensor bmm solves).",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the draws.")
-@add_merge_options
+@click.option("--seed", "seed_alias", type=int, default=None, hidden=True)
+@force_option("an earlier run of this command in OUT_PATH (map/, sample-*/, samples.json)")
+@merge_options
 def main(
-    merge_options: MergeOptions,
+    merge_options,
     recipe: str,
-    out_dir: str,
+    out_path: str,
     samples: int,
     beta: float | None,
     iid_sigma: float | None,
     name_filter: str | None,
-    seed: int,
+    seed_alias: int | None,
+    force: bool,
 ) -> None:
-    """Draw merged models around the MAP merge of a `merge_method: bmm` RECIPE.
+    """Draw merged models around the MAP merge of a `merge_method: bmm` RECIPE into OUT_PATH
+    (map/ and sample-000/ …); --random-seed seeds the draws (default 0).
 
     Posterior (paper App. B): every row of U ~ N(u_MAP, β⁻¹(G + λ'I)⁻¹), W = W_pre + s·U,
     with G, λ' and s exactly as the recipe's merge resolves them per tensor.
     """
-    import mergekit_bmm  # noqa: F401  (registers bmm)
+    from mergekit_bmm.plugin import activate
+
+    activate()
     from mergekit_bmm.sampling.run import SamplingRequest, sample_models
 
-    merge_options.apply_global_options()
+    apply_options(merge_options)
+    seed = merge_options.random_seed if merge_options.random_seed is not None else seed_alias
     with exit_on_bmm_error():
-        request = SamplingRequest(samples, beta, iid_sigma, name_filter, seed)
-        summary = sample_models(recipe, out_dir, request, merge_options)
-    _print_summary(summary, out_dir)
+        request = SamplingRequest(samples, beta, iid_sigma, name_filter, seed or 0)
+        summary = sample_models(recipe, out_path, request, merge_options, force=force)
+    _print_summary(summary, out_path)
 
 
 def _print_summary(summary, out_dir: str) -> None:

@@ -1,4 +1,5 @@
-"""``mergekit-bmm-search``: tune a bmm recipe's per-block λ and s on a validation score."""
+"""``mergekit-bmm-search SEARCH_YML OUT_PATH``: tune a bmm recipe's per-block λ and s on a validation
+score."""
 
 from __future__ import annotations
 
@@ -8,6 +9,16 @@ from pathlib import Path
 
 import click
 
+from mergekit_bmm.cli.options import (
+    ByteSize,
+    HubOptions,
+    apply_options,
+    command,
+    force_option,
+    hub_options,
+    merge_options,
+)
+from mergekit_bmm.cli.options import output_path as output_argument
 from mergekit_bmm.errors import exit_on_bmm_error
 
 
@@ -17,124 +28,122 @@ def _echo(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
-@click.command("mergekit-bmm-search", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("search_file", required=False, type=click.Path(dir_okay=False))
-@click.option(
-    "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for the results."
-)
+@command("mergekit-bmm-search", merging=True)
+@click.argument("search_file", metavar="SEARCH_YML", required=False, type=click.Path())
+@output_argument(required=False, shown="OUT_PATH")  # optional in `--resume OUT_PATH`
 @click.option(
     "--resume",
     is_flag=True,
-    help="Continue the search in --out (running the same command again does too); "
-    "SEARCH_FILE may be left out, the copy kept in --out is used.",
+    help="Continue the search in OUT_PATH (running the same command again does too); "
+    "`mergekit-bmm-search --resume OUT_PATH` uses the copy of search.yml kept there.",
 )
-@click.option("--force", is_flag=True, help="Replace the search results of a different experiment in --out.")
+@force_option("the search results of a different experiment in OUT_PATH")
+@click.option("--eval-anchor", is_flag=True, help="Also score the anchor merge BMM starts from.")
+@click.option("--skip-best", is_flag=True, help="Do not merge best.yml into OUT_PATH/best at the end.")
+@click.option("--no-cache", is_flag=True, help="Do not give bmm a λ-independent factor cache.")
+@click.option("--budget", type=click.IntRange(min=1), default=None, help="Override search.yml's budget.")
 @click.option(
-    "--eval-anchor", is_flag=True, help="Also score the anchor merge BMM starts from (a reference line)."
+    "--trials",
+    type=click.Choice(["auto", "memory", "disk"]),
+    default=None,
+    help="Where trials run (overrides search.yml): memory = one resident model merged in place; "
+    "disk = mergekit writes each trial's folder.",
 )
-@click.option("--skip-best", is_flag=True, help="Do not merge best.yml into --out/best at the end.")
-@click.option("--no-cache", is_flag=True, help="Do not pass bmm a λ-independent cache under --out/cache.")
 @click.option(
-    "--budget",
+    "--max-memory",
+    type=ByteSize(),
+    default=None,
+    help="Memory resident trials may keep factors in (e.g. 8GB; default: half the free memory).",
+)
+@click.option(
+    "--workers",
     type=click.IntRange(min=1),
     default=None,
-    help="Override search.yml's budget (e.g. to extend a search).",
+    help="Trials run at once (overrides parallel.workers): one per GPU, or the CPU split.",
 )
 @click.option(
-    "--device",
-    default="auto",
-    show_default=True,
-    help="Device for merging and evaluating (cpu, cuda, cuda:1, ...).",
-)
-@click.option(
-    "--num-threads",
-    "-j",
-    type=click.IntRange(min=1),
+    "--backend",
+    type=click.Choice(["local", "ray"]),
     default=None,
-    help="CPU threads for torch and BLAS (default: their choice; 1 helps on a busy shared machine).",
+    help="Where workers run: local processes, or Ray actors (pip install 'mergekit-bmm[ray]').",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    metavar="ADDRESS",
+    help="Ray cluster to join: auto, ray://host:port (default: a local one for the run).",
+)
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="bmm's factor cache (default: OUT_PATH/cache); searches over the same inputs may share one.",
 )
 @click.option(
     "--push-to-hub",
     "push_to_hub",
     default=None,
-    metavar="USER/NAME",
-    help="Upload --out/best (with its model card) to this Hub repo when the search finishes.",
+    metavar="REPO_ID",
+    help="Upload OUT_PATH/best (with its model card) to this Hub repo when the search finishes.",
 )
-@click.option("--private", is_flag=True, help="With --push-to-hub: create the repo as private.")
-@click.option(
-    "--base-model-id",
-    "base_model_ids",
-    multiple=True,
-    metavar="LOCAL=ORG/NAME",
-    help="With --push-to-hub: Hub id of a local model folder named in the recipe (repeatable).",
-)
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@hub_options
+@merge_options
 def main(
-    search_file: str | None,
-    out_dir: str,
-    resume: bool,
-    force: bool,
-    eval_anchor: bool,
-    skip_best: bool,
-    no_cache: bool,
-    budget: int | None,
-    device: str,
-    num_threads: int | None,
-    push_to_hub: str | None,
-    private: bool,
-    base_model_ids: tuple[str, ...],
-    quiet: bool,
+    merge_options, search_file, out_path, resume, force, push_to_hub, hub: HubOptions, **switches
 ) -> None:
     """Bayesian optimisation of BMM's λ (per block and module group) and s (per block).
 
-    SEARCH_FILE is a search.yml naming the bmm recipe to tune, the space, the budget, the
-    strategy (bo, random, grid) and the evaluator (python, lm_eval, classification).
+    SEARCH_YML names the bmm recipe to tune, the space, the budget, the strategy (bo, random,
+    grid) and the evaluator (python, lm_eval, classification); results go to OUT_PATH. The
+    merges take mergekit's own options (listed below).
     """
-    # A scheduler's SIGTERM stops the search like Ctrl-C: the trial in flight is dropped,
+    if resume and out_path is None and search_file is not None:
+        search_file, out_path = None, search_file  # `--resume OUT_PATH`
+    if out_path is None:
+        raise click.UsageError("missing OUT_PATH: the folder for the search's results")
+    # A scheduler's SIGTERM stops the search like Ctrl-C: the trials in flight are dropped,
     # the summary and plots are written, and the same command resumes.
     previous = signal.signal(signal.SIGTERM, _interrupt)
-    if num_threads is not None:
-        import skopt  # noqa: F401  (loads the BLAS libraries the limit below must reach)
-        import torch
-        from threadpoolctl import threadpool_limits  # BLAS threads of the GP fits
-
-        torch.set_num_threads(num_threads)
-        threadpool_limits(limits=num_threads)
+    _limit_threads(merge_options)
+    interrupted = (
+        f"interrupted; finished trials are kept in {out_path}/trials.jsonl. Run the same command again "
+        "to resume."
+    )
     try:
-        with exit_on_bmm_error():
-            publish = _publish_plan(push_to_hub, private, base_model_ids, skip_best)
-            finished = _run(
-                search_file, out_dir, resume, force, eval_anchor, skip_best, no_cache, budget, device, quiet
-            )
+        with exit_on_bmm_error(verbose=merge_options.verbosity > 0, interrupted=interrupted):
+            publish = _publish_plan(push_to_hub, hub, switches["skip_best"])
+            finished = _run(merge_options, search_file, out_path, resume, force, switches)
             if publish is not None and finished:
-                publish(Path(out_dir) / "best")
-    except KeyboardInterrupt:
-        click.echo(
-            f"mergekit-bmm-search: interrupted; finished trials are kept in {out_dir}/trials.jsonl. "
-            "Run the same command again to resume.",
-            err=True,
-        )
-        sys.exit(130)
+                publish(Path(out_path) / "best")
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _publish_plan(repo_id, private, base_model_ids, skip_best):
+def _limit_threads(merge_options) -> None:
+    """mergekit's ``-j`` for torch, and for the BLAS of the surrogate's fits too."""
+    apply_options(merge_options)
+    if merge_options.num_threads is not None:
+        import skopt  # noqa: F401  (loads the BLAS libraries the limit below must reach)
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=merge_options.num_threads)
+
+
+def _publish_plan(repo_id: str | None, hub: HubOptions, skip_best: bool):
     """Check a --push-to-hub request before the search starts; return the upload step."""
     if repo_id is None:
         return None
-    from mergekit_bmm.cli.publish_command import _mapping
+    from mergekit_bmm.cards.publish import preflight
+    from mergekit_bmm.cli.publish import report_upload
     from mergekit_bmm.errors import ConfigError
-    from mergekit_bmm.publish import preflight, publish_folder
 
     if skip_best:
-        raise ConfigError("--push-to-hub uploads --out/best: drop --skip-best")
-    preflight(repo_id)
-    mapping = _mapping(base_model_ids)
+        raise ConfigError("--push-to-hub uploads OUT_PATH/best: drop --skip-best")
+    if not hub.dry_run:
+        preflight(repo_id)
 
     def publish(best_dir: Path) -> None:
-        paths = publish_folder(best_dir, repo_id, private=private, base_model_ids=mapping)
-        click.echo(f"uploaded {len(paths)} files of {best_dir} to {repo_id}")
+        report_upload(best_dir, repo_id, hub)
 
     return publish
 
@@ -143,9 +152,7 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _run(
-    search_file, out_dir, resume, force, eval_anchor, skip_best, no_cache, budget, device, quiet
-) -> None:
+def _run(merge_options, search_file, out_path, resume, force, switches) -> bool:
     from transformers.utils import logging as hf_logging
 
     from mergekit_bmm.errors import ConfigError
@@ -155,29 +162,37 @@ def _run(
     hf_logging.disable_progress_bar()
     if search_file is None:
         if not resume:
-            raise ConfigError("give a search.yml (or --resume to continue the search kept in --out)")
-        search_file = str(Path(out_dir) / "search.yml")
+            raise ConfigError("give a search.yml (or --resume OUT_PATH to continue the search kept there)")
+        search_file = str(Path(out_path) / "search.yml")
         if not Path(search_file).exists():
             raise ConfigError(
-                f"--resume: {out_dir} holds no search.yml; give the search.yml you started with"
+                f"--resume: {out_path} holds no search.yml; give the search.yml you started with"
             )
     config = load_search_config(search_file)
+    budget = switches["budget"]
     if budget is not None:
         config = config.model_copy(update={"budget": budget})
         if config.strategy == "bo" and budget < config.n_initial:
             raise ConfigError(f"--budget {budget} is smaller than n_initial ({config.n_initial})")
     options = SearchOptions(
-        device=device,
-        eval_anchor=eval_anchor,
-        skip_best=skip_best,
-        use_cache=not no_cache,
+        device=merge_options.device,
+        eval_anchor=switches["eval_anchor"],
+        skip_best=switches["skip_best"],
+        use_cache=not switches["no_cache"],
         force=force,
         resume=resume,
-        progress=not quiet,
+        progress=not merge_options.quiet,
+        merge_options=merge_options,
+        trials=switches["trials"],
+        max_memory=switches["max_memory"],
+        workers=switches["workers"],
+        backend=switches["backend"],
+        address=switches["ray_address"],
+        cache_dir=switches["cache_dir"],
     )
-    result = run_search(config, out_dir, options, echo=_echo)
+    result = run_search(config, out_path, options, echo=_echo)
     click.echo(result.report)
-    return result.summary.get("status") == "finished"
+    return result.summary.status == "finished"
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from mergekit_bmm.errors import ConfigError, TensorInputError
-from mergekit_bmm.evaluation.base import load_model, load_tokenizer, release_memory
+from mergekit_bmm.evaluation.base import ModelLoading, evaluate_folder
 from mergekit_bmm.evaluation.config import ClassificationEvaluatorConfig, ClassificationTask
 
 __all__ = [
@@ -310,7 +310,9 @@ def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 class ClassificationEvaluator:
-    """Loads the merged encoder once per trial and scores every task's accuracy."""
+    """Scores every task's accuracy with its fixed head, on a folder or on a live encoder."""
+
+    loading = ModelLoading("AutoModel", "float32")
 
     def __init__(self, config: ClassificationEvaluatorConfig, device: str) -> None:
         self.config = config
@@ -321,16 +323,13 @@ class ClassificationEvaluator:
             load_examples(task, head.weight.shape[0])
 
     def evaluate(self, model_dir: Path) -> dict[str, float]:
-        model = load_model(model_dir, "AutoModel", self.device)
-        tokenizer = load_tokenizer(model_dir)
-        try:
-            scores = {}
-            for task in self.config.tasks:
-                logits, labels = task_logits(
-                    model, tokenizer, task, self.config.max_length, self.config.batch_size
-                )
-                scores[task.name] = accuracy(logits, labels)
-        finally:
-            del model, tokenizer
-            release_memory()
+        return evaluate_folder(self, model_dir, self.device)
+
+    def evaluate_model(self, model: Any, tokenizer: Any) -> dict[str, float]:
+        scores = {}
+        for task in self.config.tasks:
+            logits, labels = task_logits(
+                model, tokenizer, task, self.config.max_length, self.config.batch_size
+            )
+            scores[task.name] = accuracy(logits, labels)
         return scores

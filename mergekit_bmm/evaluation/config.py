@@ -41,13 +41,20 @@ class _Strict(BaseModel):
 
 
 class PythonEvaluatorConfig(_Strict):
-    """``type: python``: a function ``package.module:function`` gets the merged model's folder."""
+    """``type: python``: a function ``package.module:function`` scores each merged model.
+
+    ``input: model`` (the default) calls ``function(model, tokenizer, **args)`` with the
+    model loaded as ``load_model`` (a transformers class; ``auto`` = the checkpoint's own
+    architecture) in ``dtype`` on the search's device — in a search, the live model its
+    trials merge in place. ``input: folder`` calls ``function(model_dir, **args)`` with a
+    folder mergekit wrote (the search then writes every trial to disk).
+    """
 
     type: Literal["python"]
     callable: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-    # A transformers class name (e.g. AutoModelForCausalLM): the function then also gets
-    # ``model=`` (loaded, in eval mode, on the search's device) and ``tokenizer=``.
-    load_model: str | None = None
+    input: Literal["model", "folder"] = "model"
+    load_model: str = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Extra keyword arguments for the function.
     args: dict[str, Any] = Field(default_factory=dict)
     # Folders put in front of sys.path so the module can be imported (relative: to search.yml).

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.evaluation.base import load_model, load_tokenizer, release_memory
+from mergekit_bmm.evaluation.base import ModelLoading, evaluate_folder
 from mergekit_bmm.evaluation.config import LMEvalEvaluatorConfig
 
 
@@ -36,6 +36,7 @@ class LMEvalEvaluator:
         _quiet_lm_eval()
         self.config = config
         self.device = device
+        self.loading = ModelLoading("AutoModelForCausalLM", config.dtype)
         self.weights = {task.name: task.weight for task in config.tasks}
         if config.include_path is not None and not Path(config.include_path).exists():
             raise ConfigError(f"lm_eval include_path {config.include_path} does not exist")
@@ -62,15 +63,17 @@ class LMEvalEvaluator:
         return task_manager_class(include_path=self.config.include_path)
 
     def evaluate(self, model_dir: Path) -> dict[str, float]:
+        return evaluate_folder(self, model_dir, self.device)
+
+    def evaluate_model(self, model: Any, tokenizer: Any) -> dict[str, float]:
+        """lm-eval's ``HFLM`` wrapped around the live model (no folder is read)."""
         import lm_eval
         from lm_eval.models.huggingface import HFLM
 
-        model = load_model(model_dir, "AutoModelForCausalLM", self.device, self.config.dtype)
-        tokenizer = load_tokenizer(model_dir)
+        lm = HFLM(
+            pretrained=model, tokenizer=tokenizer, batch_size=self.config.batch_size, device=self.device
+        )
         try:
-            lm = HFLM(
-                pretrained=model, tokenizer=tokenizer, batch_size=self.config.batch_size, device=self.device
-            )
             output = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=[task.name for task in self.config.tasks],
@@ -82,9 +85,7 @@ class LMEvalEvaluator:
                 verbosity="ERROR",
             )
         finally:
-            lm = None
-            del model, tokenizer, lm
-            release_memory()
+            del lm
         return self.extract(output)
 
     def extract(self, output: dict[str, Any]) -> dict[str, float]:

@@ -1,10 +1,10 @@
 """``type: python``: a function of your own scores the merged model.
 
-The function is named ``package.module:function``. It is called as
-``function(model_dir, **args)``, or with ``load_model`` set,
-``function(model_dir, model=..., tokenizer=..., **args)`` where ``model`` is already
-loaded on the search's device. It returns one number, or a mapping of per-task numbers
-(the search's score is then their mean).
+The function is named ``package.module:function``. With ``input: model`` (the default)
+it is called as ``function(model, tokenizer, **args)``, the model already loaded on the
+search's device (in a search: the live model its trials merge in place); with
+``input: folder``, as ``function(model_dir, **args)``. It returns one number, or a
+mapping of per-task numbers (the search's score is then their mean).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.evaluation.base import load_model, load_tokenizer, release_memory
+from mergekit_bmm.evaluation.base import ModelLoading, evaluate_folder
 from mergekit_bmm.evaluation.config import PythonEvaluatorConfig
 
 SINGLE_TASK = "score"
@@ -65,26 +65,19 @@ def as_per_task(result: Any, spec: str) -> dict[str, float]:
 
 
 class PythonEvaluator:
-    """Calls the configured function on each merged model."""
+    """Calls the configured function on each merged model (or its folder)."""
 
     def __init__(self, config: PythonEvaluatorConfig, device: str) -> None:
         self.config = config
         self.device = device
         self.function = import_callable(config.callable, config.python_path)
         self.weights: dict[str, float] = {}
+        self.loading = ModelLoading(config.load_model, config.dtype) if config.input == "model" else None
 
     def evaluate(self, model_dir: Path) -> dict[str, float]:
-        kwargs = dict(self.config.args)
-        model = tokenizer = None
-        if self.config.load_model:
-            model = load_model(model_dir, self.config.load_model, self.device)
-            tokenizer = load_tokenizer(model_dir)
-            kwargs.update(model=model, tokenizer=tokenizer)
-        try:
-            result = self.function(Path(model_dir), **kwargs)
-        finally:
-            loaded = model is not None
-            del kwargs, model, tokenizer
-            if loaded:
-                release_memory()
-        return as_per_task(result, self.config.callable)
+        if self.loading is not None:
+            return evaluate_folder(self, model_dir, self.device)
+        return as_per_task(self.function(Path(model_dir), **self.config.args), self.config.callable)
+
+    def evaluate_model(self, model: Any, tokenizer: Any) -> dict[str, float]:
+        return as_per_task(self.function(model, tokenizer, **self.config.args), self.config.callable)

@@ -24,7 +24,7 @@ import click
 @click.option("--seed", default=0, show_default=True)
 def main(out_dir: str, architecture: str, experts: int, hidden: int, layers: int, seed: int) -> None:
     """Generate a tiny base model and synthetic experts in OUT_DIR."""
-    from mergekit_bmm.tiny_models import make_tiny_family
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
 
     family = make_tiny_family(out_dir, architecture, experts, hidden, layers, seed)
     click.echo(f"base: {family.base}")

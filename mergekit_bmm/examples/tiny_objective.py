@@ -9,15 +9,16 @@ experts. It works for any causal LM; the defaults suit the tiny generated models
     evaluator:
       type: python
       callable: mergekit_bmm.examples.tiny_objective:expert_agreement
-      load_model: AutoModelForCausalLM
       args: {experts: {a: /models/expert-a, b: /models/expert-b}}
+
+It takes the live model (``input: model``, the default), so the search's trials never
+touch the disk.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,7 +55,6 @@ def _expert_log_probs(path: str, texts: tuple[str, ...]) -> tuple[torch.Tensor, 
 
 
 def expert_agreement(
-    model_dir: Path,
     model: Any,
     tokenizer: Any,
     experts: Mapping[str, str],

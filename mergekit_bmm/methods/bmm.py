@@ -1,4 +1,4 @@
-"""``merge_method: bmm`` — the mergekit adapter over :mod:`mergekit_bmm.closed_form`.
+"""``merge_method: bmm`` — the mergekit adapter over :mod:`mergekit_bmm.core.closed_form`.
 
 Per output tensor: 2D weights of the transformer body's linear modules get the
 anchor-regularised closed form ``W = W_pre + s·U``; every other tensor (embeddings,
@@ -7,18 +7,15 @@ anchor's result unchanged. Inputs arrive one tensor at a time through mergekit's
 loader, so memory stays at one module's tensors (T experts + base + anchor).
 
 With ``cache: DIR`` the λ-independent eigen factors of each solved tensor are stored
-once (:mod:`mergekit_bmm.factor_cache`, keyed by :mod:`~mergekit_bmm.methods.cache_key`)
+once (:mod:`mergekit_bmm.methods.factor_cache`, keyed by :mod:`~mergekit_bmm.methods.cache_key`)
 and every later merge with any λ and s is a single product per tensor.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 from collections.abc import Sequence
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -32,15 +29,16 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
-from mergekit_bmm import closed_form
-from mergekit_bmm.errors import TensorInputError
-from mergekit_bmm.factor_cache import FactorCache
+from mergekit_bmm.core import closed_form
+from mergekit_bmm.core.module_map import classify, layer_index
+from mergekit_bmm.errors import NonFiniteOutputError, TensorInputError
+from mergekit_bmm.io.model_folder import model_type_of
 from mergekit_bmm.methods import cache_key
-from mergekit_bmm.methods.anchor import anchor_weight, resolve_anchor_method
-from mergekit_bmm.methods.parameters import PRETRAINED_ANCHOR, BMMSettings, build_spec
-from mergekit_bmm.module_map import classify, layer_index
-from mergekit_bmm.sampling import hook as solved_tensors
-from mergekit_bmm.sampling.hook import SolvedTensor
+from mergekit_bmm.methods import observer as solved_tensors
+from mergekit_bmm.methods.anchor_merge import AnchorSource, resolve_anchor_method
+from mergekit_bmm.methods.bmm_parameters import BMMSettings, build_spec
+from mergekit_bmm.methods.factor_cache import FactorCache
+from mergekit_bmm.methods.observer import FactoredTensor, SolvedTensor
 
 LOG = logging.getLogger("mergekit_bmm")
 
@@ -48,33 +46,33 @@ PRETTY_NAME = "Bayesian Model Merging (BMM)"
 REFERENCE_URL = "https://arxiv.org/abs/2605.12843"
 
 
-@lru_cache(maxsize=64)
-def _model_type_of(path: str) -> str | None:
-    """``model_type`` from a local checkpoint's config.json (None if unavailable)."""
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as handle:
-            return json.load(handle).get("model_type")
-    except (OSError, ValueError):
-        return None
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite: NaN and ±Inf propagate through a max of magnitudes.
 
-
-def model_type_of(entry_id: Any) -> str | None:
-    """Works for mergekit's ModelReference ids; plain ids (Python API) give None."""
-    model = getattr(entry_id, "model", None)
-    path = getattr(model, "path", None)
-    return _model_type_of(path) if isinstance(path, str) else None
+    Widened to float32 first (free for float32): on bfloat16 the reduction itself is slow,
+    and isfinite() is slower still (measured 4-6x on a 1536 x 576 weight).
+    """
+    widened = tensor if tensor.dtype == torch.float64 else tensor.float()
+    return tensor.numel() == 0 or math.isfinite(float(widened.abs().amax()))
 
 
 def check_finite(group: TensorGroup) -> None:
     for entry in group.entries:
         tensor = entry.tensor
-        # A float64 sum is NaN or Inf exactly when an element is (it cannot overflow), and
-        # costs a fraction of isfinite(), which is slow on bfloat16 (measured 2-80×).
-        if tensor.is_floating_point() and not math.isfinite(tensor.sum(dtype=torch.float64)):
+        if tensor.is_floating_point() and not all_finite(tensor):
             raise TensorInputError(
                 f"tensor {group.metadata.name} of model {entry.id} contains NaN or Inf; "
                 "repair or re-export that checkpoint before merging"
             )
+
+
+def checked_output(tensor: torch.Tensor, name: str, method: str, hint: str) -> torch.Tensor:
+    """``tensor`` if every value is finite; else refuse it, naming it: a merge never writes NaN."""
+    if tensor.is_floating_point() and not all_finite(tensor):
+        raise NonFiniteOutputError(
+            f"{method} produced NaN or Inf in {name or 'a tensor'} ({hint}); nothing was written for it"
+        )
+    return tensor
 
 
 def split_entries(group: TensorGroup, flags: Any) -> tuple[list[TensorEntry], TensorEntry | None]:
@@ -109,17 +107,18 @@ class BMMMerge(GroupMergeMethod):
     _contract = InputContract(base=BasePolicy.REQUIRED, min_non_base=1)
 
     def __init__(self) -> None:
-        self._spec_cache: tuple[frozenset[str], MergeMethodSpec] | None = None
+        self._spec_cache: tuple[tuple[int, ...], MergeMethodSpec] | None = None
 
     @property
     def spec(self) -> MergeMethodSpec:
         # Rebuilt when methods are (un)registered: anchors' parameters are forwarded.
-        from mergekit.merge_methods import registry
+        from mergekit.merge_methods import registered_methods
 
-        key = frozenset(registry._METHODS)
+        others = tuple(method for method in registered_methods() if method is not self)
+        key = tuple(id(method) for method in others)
         if self._spec_cache is None or self._spec_cache[0] != key:
             spec = build_spec(
-                registry._METHODS,
+                others,
                 PRETTY_NAME,
                 REFERENCE_URL,
                 self._contract,
@@ -130,30 +129,40 @@ class BMMMerge(GroupMergeMethod):
 
     def merge_group(self, group: TensorGroup, /, **parameters: Any) -> torch.Tensor:
         settings = BMMSettings.from_parameters(parameters)
+        merged = self._merge_group(group, settings, parameters)
+        hint = (
+            f"lambda {settings.lam:g}, scale {settings.scale:g}, anchor {settings.anchor_method or 'default'}"
+            "; the values overflow the output dtype: use a smaller scale, or check the inputs"
+        )
+        return checked_output(merged, group.metadata.name or "", "bmm", hint)
+
+    def _merge_group(
+        self, group: TensorGroup, settings: BMMSettings, parameters: dict[str, Any]
+    ) -> torch.Tensor:
         tasks, anchor_entry = split_entries(group, parameters.get("anchor"))
         method_name = resolve_anchor_method(settings.anchor_method, anchor_entry)
         base = group.base.tensor
         name = group.metadata.name or ""
         info = classify(name, model_type_of(group.base.id)) if base.ndim == 2 else None
         cache = FactorCache(settings.cache) if settings.cache else None
-        key_inputs = (settings, group, tasks, anchor_entry, method_name, parameters)
+        source = AnchorSource(
+            group, tuple(tasks), anchor_entry, method_name, parameters, settings.anchor_seed
+        )
         if info is None or not tasks:
             if base.ndim == 2 and info is None:
                 _note_unsolved(name)
-            return self.unsolved(group, key_inputs, cache).to(base.dtype)
+            return self.unsolved(settings, source, cache).to(base.dtype)
 
         dtype = settings.compute_dtype
         transpose = _stored_in_out(settings.weight_layout, info.stored_in_out)
         orient = (lambda m: m.T) if transpose else (lambda m: m)
         shape = tuple(orient(base).shape)
-        key = cache_key.factor_key(*key_inputs, transpose) if cache else ""
+        key = cache_key.factor_key(settings, source, transpose) if cache else ""
         factors = cache.load_factors(name, key, shape, dtype) if cache else None
         if factors is None:
             check_finite(group)
             base_c = base.to(dtype)
-            anchor_full = anchor_weight(
-                group, tasks, anchor_entry, method_name, parameters, dtype, settings.anchor_seed
-            )
+            anchor_full = source.weight(dtype)
             task_vectors = [orient(entry.tensor.to(dtype) - base_c) for entry in tasks]
             prior = orient(anchor_full - base_c)
             del anchor_full
@@ -173,28 +182,40 @@ class BMMMerge(GroupMergeMethod):
         # A cache hit does not re-check the inputs for NaN/Inf: they were checked when the
         # entry was built, and its key ties it to that content.
         factors = factors.to(base.device)
+        if solved_tensors.wants_factors():  # the search's resident trials are listening
+            solved_tensors.report_factors(
+                FactoredTensor(
+                    name,
+                    factors,
+                    base,
+                    transpose,
+                    settings.lambda_mode,
+                    lambda: cache.load_factors(name, key, shape, dtype),
+                )
+            )
         if solved_tensors.active():  # mergekit-bmm-sample is listening
             return _report_from_factors(name, factors, base, settings, transpose)
-        return _merge_from_factors(factors, base, settings, transpose)
+        ridge = factors.ridge(settings.lam, settings.lambda_mode)
+        return closed_form.weight_from_factors(factors, base, ridge, settings.scale, transpose)
 
-    def unsolved(self, group: TensorGroup, key_inputs: tuple, cache: FactorCache | None) -> torch.Tensor:
+    def unsolved(
+        self, settings: BMMSettings, source: AnchorSource, cache: FactorCache | None
+    ) -> torch.Tensor:
         """The anchor's result, read from the cache when an anchor method is worth caching.
 
         Copies (``pretrained``, a marked input) and 1-D tensors are cheaper to recompute
         than to read back; anything else computed by another method is cached.
         """
-        settings, _, tasks, anchor_entry, method_name, parameters = key_inputs
+        group = source.group
 
         def compute() -> torch.Tensor:
             check_finite(group)
-            dtype, seed = settings.compute_dtype, settings.anchor_seed
-            return anchor_weight(group, tasks, anchor_entry, method_name, parameters, dtype, seed)
+            return source.weight(settings.compute_dtype)
 
-        computed = tasks and anchor_entry is None and method_name != PRETRAINED_ANCHOR
-        if cache is None or not computed or group.base.tensor.ndim < 2:
+        if cache is None or not source.computed or group.base.tensor.ndim < 2:
             return compute()
         name = group.metadata.name or ""
-        key = cache_key.anchor_key(*key_inputs)
+        key = cache_key.anchor_key(settings, source)
         stored = cache.load_tensor(name, key, tuple(group.base.tensor.shape))
         if stored is not None:
             return stored.to(group.base.tensor.device)
@@ -224,22 +245,6 @@ class BMMMerge(GroupMergeMethod):
         if settings.gram == "activations":
             return few
         return closed_form.mix_equations(few, data_free, settings.epsilon)
-
-
-def _merge_from_factors(
-    factors: closed_form.EigenFactors, base: torch.Tensor, settings: BMMSettings, transpose: bool
-) -> torch.Tensor:
-    """``W_pre + s·U(λ')`` in ``base``'s dtype: one product with the sum fused into it.
-
-    This is all a cached trial computes. (Adding a bfloat16 base to a float32 product in
-    one mixed-dtype pass measured slower than widening the base and rounding the result.)
-    """
-    coefficients = closed_form.factor_coefficients(factors, factors.ridge(settings.lam, settings.lambda_mode))
-    basis = factors.basis.to(coefficients.dtype)
-    # stored (in, out): W = W_pre + s·Q·coefficientsᵀ
-    left, right = (basis, coefficients.T) if transpose else (coefficients, basis.T)
-    merged = torch.addmm(base.to(coefficients.dtype), left, right, alpha=settings.scale)
-    return merged.to(base.dtype)
 
 
 def _report_from_factors(

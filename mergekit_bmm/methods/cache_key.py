@@ -1,11 +1,11 @@
-"""What a cached factor depends on, written down as a key (see :mod:`mergekit_bmm.factor_cache`).
+"""What a cached factor depends on, written down as a key (see :mod:`mergekit_bmm.methods.factor_cache`).
 
 A key is canonical JSON with:
 
 * the format, this package's and mergekit's versions, the tensor name;
 * every input in order, with its role (base, expert, anchor), its name, and its content:
   for mergekit's model references the checkpoint fingerprint
-  (:func:`~mergekit_bmm.fingerprint.model_fingerprint`) plus a hash of 16 evenly spaced
+  (:func:`~mergekit_bmm.io.fingerprint.model_fingerprint`) plus a hash of 16 evenly spaced
   runs of 256 elements of the tensor actually handed to the kernel (an in-place rewrite that
   mergekit's loader cache still serves stale, or an edit the file fingerprint's samples
   miss, is caught unless it leaves every sampled run unchanged); for plain ids (Python API)
@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
-from mergekit.merge_methods.base import TensorEntry, TensorGroup
+from mergekit.merge_methods.base import TensorEntry
 
-from mergekit_bmm.factor_cache import CACHE_FORMAT
-from mergekit_bmm.fingerprint import file_fingerprint, model_fingerprint
-from mergekit_bmm.methods.anchor import anchor_dependencies
-from mergekit_bmm.methods.parameters import BMMSettings
+from mergekit_bmm.io.fingerprint import file_fingerprint, model_fingerprint
+from mergekit_bmm.methods.anchor_merge import AnchorSource
+from mergekit_bmm.methods.bmm_parameters import BMMSettings
+from mergekit_bmm.methods.factor_cache import CACHE_FORMAT
 
 SAMPLE_RUNS = 16
 SAMPLE_RUN = 256
@@ -43,11 +42,9 @@ SAMPLE_RUN = 256
 
 @lru_cache(maxsize=1)
 def _versions() -> dict[str, str]:
-    from importlib.metadata import version
+    from mergekit_bmm.plugin import versions
 
-    import mergekit_bmm
-
-    return {"mergekit_bmm": mergekit_bmm.__version__, "mergekit": version("mergekit")}
+    return versions()
 
 
 def _tensor_bytes(tensor: torch.Tensor):
@@ -127,13 +124,11 @@ def _stats_fingerprint(stamp: tuple[tuple[str, int, int], ...]) -> str:
     return "sha256:" + digest.hexdigest()[:32]
 
 
-def _inputs(
-    group: TensorGroup, tasks: Sequence[TensorEntry], anchor_entry: TensorEntry | None
-) -> list[dict[str, Any]]:
-    identities = [input_identity(group.base, "base")]
-    identities += [input_identity(entry, "expert") for entry in tasks]
-    if anchor_entry is not None:
-        identities.append(input_identity(anchor_entry, "anchor"))
+def _inputs(source: AnchorSource) -> list[dict[str, Any]]:
+    identities = [input_identity(source.group.base, "base")]
+    identities += [input_identity(entry, "expert") for entry in source.tasks]
+    if source.anchor_entry is not None:
+        identities.append(input_identity(source.anchor_entry, "anchor"))
     return identities
 
 
@@ -141,52 +136,29 @@ def _dump(description: dict[str, Any]) -> str:
     return json.dumps(description, sort_keys=True, separators=(",", ":"))
 
 
-def _common(
-    settings: BMMSettings,
-    group: TensorGroup,
-    tasks: Sequence[TensorEntry],
-    anchor_entry: TensorEntry | None,
-    method_name: str | None,
-    parameters: Mapping[str, Any],
-) -> dict[str, Any]:
-    anchor = anchor_dependencies(group, tasks, anchor_entry, method_name, parameters, settings.anchor_seed)
+def _common(settings: BMMSettings, source: AnchorSource) -> dict[str, Any]:
+    anchor = source.dependencies()
     forwarded_stats = anchor.get("parameters", {}).get("stats")
     if isinstance(forwarded_stats, str):  # an anchor that reads Grams (regmean): their content too
         anchor["stats_fingerprint"] = stats_fingerprint(forwarded_stats)
     return {
         "format": CACHE_FORMAT,
         "versions": _versions(),
-        "tensor": group.metadata.name or "",
-        "inputs": _inputs(group, tasks, anchor_entry),
+        "tensor": source.group.metadata.name or "",
+        "inputs": _inputs(source),
         "anchor": anchor,
         "compute_dtype": str(settings.compute_dtype),
     }
 
 
-def anchor_key(
-    settings: BMMSettings,
-    group: TensorGroup,
-    tasks: Sequence[TensorEntry],
-    anchor_entry: TensorEntry | None,
-    method_name: str | None,
-    parameters: Mapping[str, Any],
-) -> str:
+def anchor_key(settings: BMMSettings, source: AnchorSource) -> str:
     """Key of an anchor result (tensors BMM does not solve)."""
-    common = _common(settings, group, tasks, anchor_entry, method_name, parameters)
-    return _dump({**common, "kind": "anchor"})
+    return _dump({**_common(settings, source), "kind": "anchor"})
 
 
-def factor_key(
-    settings: BMMSettings,
-    group: TensorGroup,
-    tasks: Sequence[TensorEntry],
-    anchor_entry: TensorEntry | None,
-    method_name: str | None,
-    parameters: Mapping[str, Any],
-    transpose: bool,
-) -> str:
+def factor_key(settings: BMMSettings, source: AnchorSource, transpose: bool) -> str:
     """Key of a solved tensor's eigen factors."""
-    description = _common(settings, group, tasks, anchor_entry, method_name, parameters)
+    description = _common(settings, source)
     description.update(
         kind="factors",
         gram=settings.gram,

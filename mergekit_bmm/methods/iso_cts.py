@@ -8,8 +8,8 @@ from __future__ import annotations
 from mergekit.merge_methods.base import ParameterScope
 
 from mergekit_bmm.anchors.iso import iso_cts_merge
-from mergekit_bmm.methods.parameters import CheckedParameter
-from mergekit_bmm.methods.task_vector_method import TaskVectorMethod, alpha_parameter, in_unit_interval
+from mergekit_bmm.methods.parameter_ranges import CheckedParameter
+from mergekit_bmm.methods.task_vector_method import TaskVectorMethod, alpha_parameter
 
 DEFAULT_COMMON_SPACE_FRACTION = 0.8
 
@@ -30,7 +30,6 @@ class IsoCTSMerge(TaskVectorMethod):
                 ParameterScope.SHARED,
                 default=DEFAULT_COMMON_SPACE_FRACTION,
                 description="number in [0, 1] (share of the rank given to the common subspace)",
-                check=in_unit_interval(self.method_name, "common_space_fraction"),
                 owner=self.method_name,
             ),
         )

@@ -16,8 +16,8 @@ from mergekit.merge_methods.base import ParameterScope
 
 from mergekit_bmm.anchors.regmean import DEFAULT_OFF_DIAGONAL_SCALE, regmean_merge
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.methods.parameters import CheckedParameter
-from mergekit_bmm.methods.task_vector_method import TaskVectorMethod, in_unit_interval
+from mergekit_bmm.methods.parameter_ranges import CheckedParameter
+from mergekit_bmm.methods.task_vector_method import TaskVectorMethod
 
 
 class RegMeanMerge(TaskVectorMethod):
@@ -44,7 +44,6 @@ class RegMeanMerge(TaskVectorMethod):
                 shared,
                 default=DEFAULT_OFF_DIAGONAL_SCALE,
                 description="number in [0, 1] (factor on the Grams' off-diagonal entries)",
-                check=in_unit_interval(self.method_name, "off_diagonal_scale"),
                 owner=self.method_name,
             ),
         )

@@ -3,7 +3,7 @@
 Per output tensor, with task vectors ``τ_t = W_t − W_pre`` computed in float32 (float64
 if the inputs are) on the device mergekit put the inputs on:
 
-* 2D weights of the transformer body (those :func:`mergekit_bmm.module_map.classify`
+* 2D weights of the transformer body (those :func:`mergekit_bmm.core.module_map.classify`
   knows — the same set ``bmm`` solves) get the method's matrix algorithm, in ``(out, in)``
   orientation (GPT-2's Conv1D weights are transposed for it and back);
 * every other tensor (embeddings, ``lm_head``, norms, biases, routers, unknown names) gets
@@ -14,9 +14,8 @@ if the inputs are) on the device mergekit put the inputs on:
 
 from __future__ import annotations
 
-import math
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -34,28 +33,10 @@ from mergekit.merge_methods.base import (
 )
 
 from mergekit_bmm.anchors.common import compute_dtype, mean_task_vector
-from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.methods.bmm import check_finite, model_type_of
-from mergekit_bmm.methods.parameters import CheckedParameter
-from mergekit_bmm.module_map import ModuleInfo, classify
-
-
-def finite_number(method: str, name: str) -> Callable[[float], float]:
-    def check(value: float) -> float:
-        if not math.isfinite(value):
-            raise ConfigError(f"{method} parameter `{name}` must be a finite number; got {value}")
-        return value
-
-    return check
-
-
-def in_unit_interval(method: str, name: str) -> Callable[[float], float]:
-    def check(value: float) -> float:
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"{method} parameter `{name}` must lie in [0, 1]; got {value}")
-        return value
-
-    return check
+from mergekit_bmm.core.module_map import ModuleInfo, classify
+from mergekit_bmm.io.model_folder import model_type_of
+from mergekit_bmm.methods.bmm import check_finite, checked_output
+from mergekit_bmm.methods.parameter_ranges import CheckedParameter
 
 
 def alpha_parameter(method: str) -> ParameterSpec:
@@ -65,8 +46,7 @@ def alpha_parameter(method: str) -> ParameterSpec:
         float,
         ParameterScope.SHARED,
         default=1.0,
-        description="number (output scale)",
-        check=finite_number(method, "alpha"),
+        description="number > 0 (output scale)",
         owner=method,
     )
 
@@ -138,4 +118,9 @@ class TaskVectorMethod(GroupMergeMethod):
         scale = self.output_scale(parameters)
         if scale != 1.0:
             merged = merged * scale
-        return (base_compute + merged).to(base.dtype)
+        hint = (
+            f"output scale {scale:g}; the values overflow the output dtype: check the inputs and parameters"
+        )
+        return checked_output(
+            (base_compute + merged).to(base.dtype), group.metadata.name or "", self.method_name, hint
+        )

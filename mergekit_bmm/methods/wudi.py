@@ -3,35 +3,21 @@
 WUDI has no output scale (``W = W_pre + τ_m``, as the reference). The Adam solver runs
 ``iterations`` steps per 2D body weight, ``out·in²`` flops each: on large models run it on a
 GPU (``mergekit-yaml --cuda``), and when it serves as BMM's anchor in a search, materialise
-it once and pass it as an input marked ``anchor: true`` (see the README).
+it once and pass it as an input marked ``anchor: true`` (see docs/anchors.md).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from mergekit.merge_methods.base import ParameterScope
 
 from mergekit_bmm.anchors.wudi import wudi_merge
-from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.methods.parameters import CheckedParameter
+from mergekit_bmm.methods.parameter_ranges import CheckedParameter
 from mergekit_bmm.methods.task_vector_method import TaskVectorMethod
 
 DEFAULT_ITERATIONS = 300
 DEFAULT_LEARNING_RATE = 1e-5
-
-
-def _iterations(value: int) -> int:
-    if value < 0:
-        raise ConfigError(f"wudi parameter `iterations` must be an integer >= 0; got {value}")
-    return value
-
-
-def _learning_rate(value: float) -> float:
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"wudi parameter `learning_rate` must be a finite number > 0; got {value}")
-    return value
 
 
 class WUDIMerge(TaskVectorMethod):
@@ -58,7 +44,6 @@ class WUDIMerge(TaskVectorMethod):
                 shared,
                 default=DEFAULT_ITERATIONS,
                 description="integer >= 0 (Adam steps)",
-                check=_iterations,
                 owner=self.method_name,
             ),
             CheckedParameter(
@@ -67,7 +52,6 @@ class WUDIMerge(TaskVectorMethod):
                 shared,
                 default=DEFAULT_LEARNING_RATE,
                 description="number > 0 (Adam learning rate)",
-                check=_learning_rate,
                 owner=self.method_name,
             ),
         )

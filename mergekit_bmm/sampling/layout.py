@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from mergekit.io.tensor_writer import TensorWriter
 
+from mergekit_bmm.io.atomic import atomic_write_json
+
 INDEX_NAME = "model.safetensors.index.json"
 SAMPLED_BASENAME = "sampled"
 SHARED_BASENAME = "shared"
@@ -59,9 +61,7 @@ def write_index(model_dir: Path, weight_map: Mapping[str, str]) -> None:
     files = sorted(set(weight_map.values()))
     total = sum(tensor_bytes(model_dir / name) for name in files)
     content = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    temporary = model_dir / (INDEX_NAME + ".tmp")
-    temporary.write_text(json.dumps(content, indent=2), encoding="utf-8")
-    temporary.replace(model_dir / INDEX_NAME)
+    atomic_write_json(model_dir / INDEX_NAME, content)
 
 
 def sample_writer(model_dir: Path, max_shard_bytes: int) -> TensorWriter:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy
 import torch
 
-from mergekit_bmm.closed_form import zero_tolerance
+from mergekit_bmm.core.closed_form import zero_tolerance
 from mergekit_bmm.errors import ConfigError
 
 

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from tqdm import tqdm
 
 from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.methods.bmm import checked_output
+from mergekit_bmm.methods.observer import SolvedTensor, listening
 from mergekit_bmm.sampling import layout
-from mergekit_bmm.sampling.hook import SolvedTensor, listening
 from mergekit_bmm.sampling.posterior import RowPosterior, check_beta, check_sigma, standard_normal
 
 SUMMARY_NAME = "samples.json"
@@ -73,7 +73,7 @@ class SamplingRequest:
         if self.name_filter is not None and not self.name_filter.strip():
             raise ConfigError("--filter is empty; give a substring of the tensor names to sample, or omit it")
         if self.seed < 0:
-            raise ConfigError(f"--seed must be >= 0; got {self.seed}")
+            raise ConfigError(f"--random-seed must be >= 0; got {self.seed}")
 
     @property
     def mode(self) -> str:
@@ -150,6 +150,9 @@ class Sampler:
             weight = solved.weight(task_vector)
             if self.out_dtype is not None:
                 weight = weight.to(self.out_dtype)
+            remedy = "a smaller --iid-sigma" if self.request.iid_sigma is not None else "a larger --beta"
+            hint = f"sample {index}: the noise overflows the output dtype; use {remedy}"
+            checked_output(weight, solved.name, "mergekit-bmm-sample", hint)
             writer.save_tensor(solved.name, layout.as_cpu(weight))
         with self._lock:
             self.records[solved.name] = record
@@ -191,42 +194,29 @@ class Sampler:
 
 def load_recipe(recipe: str | Path | Mapping[str, Any]) -> tuple[Any, str, str]:
     """(MergeConfiguration, YAML text, recipe path or '') for a path or a dict."""
-    from mergekit.config import MergeConfiguration
+    from mergekit_bmm.recipes import parse
 
-    if isinstance(recipe, Mapping):
-        text, source = yaml.safe_dump(dict(recipe), sort_keys=False), ""
-    else:
-        path = Path(recipe)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as error:
-            raise ConfigError(f"cannot read recipe {path}: {error.strerror}") from None
-        source = str(path.resolve())
-    raw = yaml.safe_load(text)
-    if not isinstance(raw, dict) or raw.get("merge_method") != "bmm":
-        found = raw.get("merge_method") if isinstance(raw, dict) else None
+    parsed = parse.load_recipe(recipe)
+    source = "" if isinstance(recipe, Mapping) else str(Path(recipe).resolve())
+    found = parsed.raw.get("merge_method")
+    if found != "bmm":
         raise ConfigError(
             f"mergekit-bmm-sample needs a `merge_method: bmm` recipe; {source or 'the recipe'} has {found!r}"
         )
-    try:
-        config = MergeConfiguration.model_validate(raw)
-    except Exception as error:
-        first = str(error).splitlines()[0]
-        raise ConfigError(f"recipe {source or ''} is not a valid mergekit recipe: {first}") from None
-    return config, text, source
+    return parsed.config, parsed.text, source
 
 
 def solvable_tensors(base_dir: Path) -> list[str] | None:
     """Names of the base checkpoint's tensors that bmm solves (None if not a local folder)."""
     from safetensors import safe_open
 
-    from mergekit_bmm.methods.bmm import _model_type_of
-    from mergekit_bmm.module_map import classify
+    from mergekit_bmm.core.module_map import classify
+    from mergekit_bmm.io.model_folder import model_type_of
 
     files = sorted(base_dir.glob("*.safetensors")) if base_dir.is_dir() else []
     if not files:
         return None
-    model_type = _model_type_of(str(base_dir))
+    model_type = model_type_of(str(base_dir))
     names = []
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
@@ -249,23 +239,35 @@ def check_filter(request: SamplingRequest, base_dir: Path) -> None:
         )
 
 
-def prepare_out(out: Path) -> None:
-    """Refuse to write over anything that is not our own unfinished run."""
+def prepare_out(out: Path, force: bool = False) -> None:
+    """Refuse to write over anything that is not our own run (an unfinished one, or with
+    ``force`` a finished one); other files are never touched."""
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give a new folder")
+        raise ConfigError(f"OUT_PATH {out} is a file; give a new folder")
     if out.is_dir() and any(out.iterdir()):
-        if not (out / INCOMPLETE_MARKER).exists():
+        foreign = sorted(entry.name for entry in out.iterdir() if not _is_ours(entry))
+        if foreign:
             raise ConfigError(
-                f"--out {out} is not empty; give a new folder (samples are never written over other files)"
+                f"OUT_PATH {out} holds files mergekit-bmm-sample did not write ({', '.join(foreign[:3])}); "
+                "give a new folder (samples are never written over other files, even with --force)"
             )
-        clear_ours(out)  # an interrupted run of ours: start it again
+        if not (out / INCOMPLETE_MARKER).exists() and not force:
+            raise ConfigError(
+                f"OUT_PATH {out} holds an earlier sample run; give a new folder, or pass --force to "
+                "replace it"
+            )
+        clear_ours(out)  # an interrupted run of ours, or a finished one with --force: start again
     out.mkdir(parents=True, exist_ok=True)
     (out / INCOMPLETE_MARKER).write_text("mergekit-bmm-sample is writing this folder\n", encoding="utf-8")
 
 
+def _is_ours(entry: Path) -> bool:
+    return entry.name in (MAP_DIR, SUMMARY_NAME, INCOMPLETE_MARKER) or entry.name.startswith("sample-")
+
+
 def clear_ours(out: Path) -> None:
     for entry in out.iterdir():
-        if entry.name in (MAP_DIR, SUMMARY_NAME, INCOMPLETE_MARKER) or entry.name.startswith("sample-"):
+        if _is_ours(entry):
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
@@ -274,8 +276,10 @@ def sample_models(
     out_dir: str | Path,
     request: SamplingRequest,
     options: Any = None,
+    force: bool = False,
 ) -> Summary:
-    """Write ``OUT/map`` and ``OUT/sample-000`` …; return (and write) the summary."""
+    """Write ``OUT/map`` and ``OUT/sample-000`` …; return (and write) the summary. ``force``
+    replaces an earlier finished run of this command in ``out_dir``."""
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
 
@@ -289,7 +293,7 @@ def sample_models(
 
     out = Path(out_dir).resolve()
     created = not out.exists()
-    prepare_out(out)
+    prepare_out(out, force)
     try:
         summary = _sample(config, text, source, out, request, options, run_merge)
     except BaseException:
@@ -309,7 +313,7 @@ def _sample(config, text, source, out: Path, request: SamplingRequest, options, 
     from mergekit.common import dtype_from_name
 
     sampler = Sampler(request, member_dirs, shard_bytes, dtype_from_name(config.out_dtype))
-    with listening(sampler):
+    with listening(on_solved=sampler):
         run_merge(config, str(map_dir), options=options, config_source=text)
     sampled_maps = sampler.finalize()
     if not sampler.records:

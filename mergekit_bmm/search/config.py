@@ -16,14 +16,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from mergekit_bmm.core.module_map import GROUP_NAMES
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.evaluation.config import EvaluatorConfig, resolve_path
-from mergekit_bmm.module_map import GROUP_NAMES
+from mergekit_bmm.recipes.parse import read_yaml
 
 STRATEGIES = ("bo", "random", "grid")
+
+# Default search boxes per Gram mode (λ relative, log-uniform; s uniform), from the sweeps in
+# docs/search.md ("Search boxes"): an activation Gram averages the experts where their inputs
+# overlap, so data-assisted merges need a larger s and reach the anchor only at larger λ.
+DEFAULT_BOXES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
+    "data_free": ((1e-3, 10.0), (0.8, 2.2)),
+    "activations": ((1e-3, 1000.0), (0.3, 2.2)),
+    "mix": ((1e-3, 1000.0), (0.3, 2.2)),
+}
 
 
 def _range(name: str, value: tuple[float, float] | None) -> tuple[float, float] | None:
@@ -38,16 +47,26 @@ def _range(name: str, value: tuple[float, float] | None) -> tuple[float, float] 
     return (float(low), float(high))
 
 
+class ParallelConfig(BaseModel):
+    """``parallel:``: how many trials run at once, and where."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    workers: int = Field(default=1, ge=1)
+    backend: Literal["local", "ray"] = "local"
+    address: str | None = None  # ray: auto, ray://host:port, or empty for a local cluster
+
+
 class SearchConfig(BaseModel):
-    """The fields of ``search.yml`` (see the README for each one's meaning)."""
+    """The fields of ``search.yml`` (docs/search.md gives each one's meaning)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     recipe: str | dict[str, Any]
     blocks: int = Field(default=3, ge=1)
     groups: list[str] = Field(default_factory=lambda: list(GROUP_NAMES), min_length=1)
-    lambda_range: tuple[float, float] = (1e-4, 1.0)
-    scale_range: tuple[float, float] | None = (1.0, 1.3)
+    lambda_range: tuple[float, float] | None = None  # None: the recipe's Gram mode's default box
+    scale_range: tuple[float, float] | Literal["auto"] | None = "auto"  # None: the recipe's scale, fixed
     epsilon_range: tuple[float, float] | None = None
     budget: int = Field(default=60, ge=1)
     n_initial: int = Field(default=10, ge=1)
@@ -57,6 +76,9 @@ class SearchConfig(BaseModel):
     seed: int = 0
     strategy: Literal["bo", "random", "grid"] = "bo"
     grid_scale: float = 1.0
+    widen_box: bool = True
+    trials: Literal["auto", "memory", "disk"] = "auto"
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     evaluator: EvaluatorConfig
 
     @field_validator("recipe")
@@ -82,16 +104,24 @@ class SearchConfig(BaseModel):
 
     @field_validator("lambda_range")
     @classmethod
-    def _lambda_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+    def _lambda_range(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
         value = _range("lambda_range", value)
-        if value[0] <= 0:
+        if value is not None and value[0] <= 0:
             raise ValueError(f"λ is sampled log-uniformly, so the range must be > 0; got {list(value)}")
         return value
 
     @field_validator("scale_range")
     @classmethod
-    def _scale_range(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
-        return _range("scale_range", value)
+    def _scale_range(cls, value: tuple[float, float] | str | None) -> tuple[float, float] | str | None:
+        return value if value == "auto" else _range("scale_range", value)
+
+    def box(self, gram: str) -> tuple[tuple[float, float], tuple[float, float] | None]:
+        """(λ range, s range) of the search: the config's, else the defaults of the recipe's ``gram``."""
+        lambdas, scales = DEFAULT_BOXES.get(gram, DEFAULT_BOXES["data_free"])
+        return (
+            self.lambda_range or lambdas,
+            scales if self.scale_range == "auto" else self.scale_range,
+        )
 
     @field_validator("epsilon_range")
     @classmethod
@@ -111,11 +141,14 @@ class SearchConfig(BaseModel):
         return self
 
     def experiment_key(self) -> dict[str, Any]:
-        """What defines the experiment: everything but the budget (which may grow on resume).
+        """What defines the experiment: everything but the budget (which may grow on resume)
+        and where and how many trials run at once.
 
         A grid's points depend on the budget, so there it stays in.
         """
         data = self.model_dump(mode="json")
+        data.pop("trials")  # where trials run does not change their results
+        data.pop("parallel")  # the log records each batch, so a search resumes with any number of workers
         if self.strategy != "grid":
             data.pop("budget")
         return data
@@ -128,7 +161,7 @@ def one_line_validation(error: pydantic.ValidationError, source: str) -> str:
         message = detail["msg"].removeprefix("Value error, ")
         kind = detail["type"]
         if kind == "extra_forbidden":
-            message = "unknown field; check its spelling (see the README's search.yml schema)"
+            message = "unknown field; check its spelling (see docs/search.md, `search.yml`)"
         elif kind == "missing":
             message = "required field is missing"
         elif kind == "union_tag_invalid" or kind == "union_tag_not_found":
@@ -145,19 +178,6 @@ def parse_search_config(raw: Any, base_dir: Path, source: str = "search config")
         return SearchConfig.model_validate(raw, context={"base_dir": Path(base_dir)})
     except pydantic.ValidationError as error:
         raise ConfigError(one_line_validation(error, source)) from None
-
-
-def read_yaml(path: Path, what: str) -> Any:
-    try:
-        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as error:
-        raise ConfigError(f"cannot read {what} {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(
-            f"{what} {path}{where} is not valid YAML: {getattr(error, 'problem', error)}"
-        ) from None
 
 
 def load_search_config(path: str | Path) -> SearchConfig:

@@ -12,4 +12,4 @@ class SearchStopped(BMMError):
 
 
 class OutputFolderError(BMMError):
-    """``--out`` holds something this run must not touch (another experiment, a running search)."""
+    """``OUT_PATH`` holds something this run must not touch (another experiment, a running search)."""

@@ -33,9 +33,12 @@ class TrialRecord:
     per_task: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     time: dict[str, float] = field(default_factory=dict)  # merge, evaluate, surrogate (seconds)
-    yaml: str = ""  # the trial's recipe, relative to --out
+    yaml: str = ""  # the trial's recipe, relative to OUT_PATH
     yaml_sha256: str = ""
     finished_at: str = ""
+    batch: int | None = None  # the batch of proposals it belongs to (None: its own, as in a serial run)
+    batch_size: int = 1
+    worker: str = ""  # where it ran (parallel searches)
 
     @property
     def ok(self) -> bool:
@@ -70,24 +73,67 @@ def read_trials(path: Path) -> tuple[list[TrialRecord], int]:
         return [], 0
     data = path.read_bytes()
     intact = data.rfind(b"\n") + 1
-    records = []
+    records: dict[int, TrialRecord] = {}
     for number, line in enumerate(data[:intact].splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            record = TrialRecord.from_dict(json.loads(line))
+            data = json.loads(line)
+            if isinstance(data, dict) and "event" in data:
+                continue  # not a trial (see read_events)
+            record = TrialRecord.from_dict(data)
         except (ValueError, TypeError) as error:
             raise ConfigError(
                 f"{path} line {number} is not a trial record ({error}); the log was edited or damaged: "
-                "restore it or start a new --out"
+                "restore it or start a new OUT_PATH"
             ) from None
-        if record.trial != len(records):
+        if record.trial in records:
             raise ConfigError(
-                f"{path} line {number} holds trial {record.trial} where trial {len(records)} was "
-                "expected; the log was edited: restore it or start a new --out"
+                f"{path} line {number} holds trial {record.trial} a second time; the log was edited: "
+                "restore it or start a new OUT_PATH"
             )
-        records.append(record)
-    return records, intact
+        records[record.trial] = record
+    ordered = [records[index] for index in sorted(records)]
+    _check_complete(path, ordered)
+    return ordered, intact
+
+
+def batch_of(record: TrialRecord) -> int:
+    """The record's batch; a serial run's trials are each their own."""
+    return record.trial if record.batch is None else record.batch
+
+
+def _check_complete(path: Path, records: list[TrialRecord]) -> None:
+    """Trials are numbered without gaps, except inside the last batch (a parallel run killed mid-batch)."""
+    last_batch = batch_of(records[-1]) if records else None
+    for expected, record in enumerate(records):
+        if record.trial != expected and batch_of(record) != last_batch:
+            raise ConfigError(
+                f"{path} holds trial {record.trial} where trial {expected} was expected; the log was "
+                "edited: restore it or start a new OUT_PATH"
+            )
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The log's event lines (e.g. ``event: box``, a widened search box), in order."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    events = []
+    for line in data[: data.rfind(b"\n") + 1].splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict) and "event" in item:
+            events.append(item)
+    return events
+
+
+def append_event(path: Path, event: dict[str, Any]) -> None:
+    """Append one event line durably, like a trial."""
+    _append_line(path, (json.dumps(event, separators=(",", ":"), allow_nan=False) + "\n").encode())
 
 
 def repair(path: Path, intact: int) -> bool:
@@ -104,7 +150,10 @@ def repair(path: Path, intact: int) -> bool:
 
 def append_trial(path: Path, record: TrialRecord) -> None:
     """Append one line durably: one write, then fsync."""
-    line = record.to_line()
+    _append_line(path, record.to_line())
+
+
+def _append_line(path: Path, line: bytes) -> None:
     descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         written = os.write(descriptor, line)

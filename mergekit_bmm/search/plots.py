@@ -6,10 +6,10 @@ Written with matplotlib's Agg backend (no display needed), atomically, next to t
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from mergekit_bmm.io.atomic import replacing
 from mergekit_bmm.search.log import TrialRecord
 from mergekit_bmm.search.space import SearchSpace
 
@@ -24,9 +24,8 @@ def _pyplot():
 
 
 def _save(figure, path: Path) -> None:
-    temporary = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    figure.savefig(temporary, dpi=110)
-    os.replace(temporary, path)
+    with replacing(path, fsync=False) as temporary:
+        figure.savefig(temporary, dpi=110, format=path.suffix.lstrip("."))
 
 
 def plot_convergence(
@@ -52,12 +51,18 @@ def plot_convergence(
     if failed:
         low = min((r.score for r in ok), default=0.0)
         axis.scatter(failed, [low] * len(failed), marker="x", color="C3", label="failed", zorder=3)
+    shown = [r.score for r in ok]
     if anchor_score is not None and math.isfinite(anchor_score):
         axis.axhline(
             anchor_score, color="C2", linestyle="--", linewidth=1.5, label=f"anchor ({anchor_score:.4g})"
         )
+        shown.append(anchor_score)
+    if shown:  # every score and the anchor's line inside the frame, with room around them
+        low, high = min(shown), max(shown)
+        pad = 0.08 * (high - low) if high > low else 0.05 * max(abs(high), 1e-12)
+        axis.set_ylim(low - pad, high + pad)
     axis.set_xlabel("trial")
-    axis.set_ylabel("validation score")
+    axis.set_ylabel("validation score (higher is better)")
     axis.set_title(title or "Search convergence")
     axis.grid(alpha=0.3)
     axis.legend(loc="lower right", fontsize=8)
@@ -100,15 +105,17 @@ def plot_lambdas(
         axis.set_title(f"λ {panel}" if is_lambda else {"scale": "s (scale)", "epsilon": "ε (mix)"}[panel])
         axis.set_xlabel("trial")
         axis.grid(alpha=0.3)
-    for index in range(len(panels), rows * columns):
-        axes[index // columns][index % columns].axis("off")
+    spare = [axes[index // columns][index % columns] for index in range(len(panels), rows * columns)]
+    for axis in spare:
+        axis.axis("off")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    if handles:
+    if handles and spare:  # the legend fills the first unused cell of the grid
+        spare[0].legend(handles, labels, loc="center", fontsize=9, title="blocks", frameon=False)
+    elif handles:
         figure.legend(handles, labels, loc="lower center", ncol=min(4, len(handles)), fontsize=8)
     figure.suptitle("Values tried per block (circled: best trial)")
-    figure.subplots_adjust(
-        left=0.07, right=0.98, top=0.88, bottom=0.1 + 0.15 / rows, hspace=0.45, wspace=0.25
-    )
+    bottom = 0.1 if spare or not handles else 0.1 + 0.15 / rows
+    figure.subplots_adjust(left=0.07, right=0.98, top=0.88, bottom=bottom, hspace=0.45, wspace=0.25)
     _save(figure, path)
     plt.close(figure)
     return path

@@ -14,9 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mergekit_bmm.core.module_map import GROUP_NAMES, filter_rules
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.module_map import GROUP_NAMES, filter_rules
-from mergekit_bmm.recipe import BlockSetting, layer_blocks, num_layers_of
+from mergekit_bmm.io.model_folder import num_layers_of
+from mergekit_bmm.recipes.blockwise import BlockSetting, layer_blocks
 
 DEFAULT_LAMBDA = 0.1  # bmm's own default, for groups that are not searched
 DEFAULT_SCALE = 1.0
@@ -86,6 +87,11 @@ class SearchSpace:
                 self.dimensions.append(Dimension(f"block{index}.scale", "scale", index, *scale_range))
             if epsilon_range is not None:
                 self.dimensions.append(Dimension(f"block{index}.epsilon", "epsilon", index, *epsilon_range))
+        self.initial_ranges = {
+            kind: list(value)
+            for kind, value in (("lambda", lambda_range), ("scale", scale_range), ("epsilon", epsilon_range))
+            if value is not None
+        }
 
     @classmethod
     def from_config(cls, config, recipe: Mapping[str, Any], weight_names: Sequence[str]) -> SearchSpace:
@@ -107,16 +113,18 @@ class SearchSpace:
         fixed_lambda = (
             _scalar(recipe, "lambda", DEFAULT_LAMBDA, "groups that are not searched") if unsearched else 0.0
         )
+        gram = str((recipe.get("parameters") or {}).get("gram", "data_free"))
+        lambda_range, scale_range = config.box(gram)
         fixed_scale = (
             _scalar(recipe, "scale", DEFAULT_SCALE, "a search without scale_range")
-            if config.scale_range is None
+            if scale_range is None
             else DEFAULT_SCALE
         )
         return cls(
             layer_blocks(layers, config.blocks),
             config.groups,
-            config.lambda_range,
-            config.scale_range,
+            lambda_range,
+            scale_range,
             config.epsilon_range,
             fixed_lambda,
             fixed_scale,
@@ -151,8 +159,29 @@ class SearchSpace:
                 values[dimension.name] = 0.5 * (dimension.low + dimension.high)
         return values
 
+    def widen(self, name: str, low: float, high: float) -> None:
+        """Give dimension ``name`` the range [low, high] (the search box widened)."""
+        self.dimensions = [
+            Dimension(d.name, d.kind, d.block, low, high, d.groups) if d.name == name else d
+            for d in self.dimensions
+        ]
+
+    def ranges(self) -> dict[str, list[float]]:
+        return {d.name: [d.low, d.high] for d in self.dimensions}
+
+    def kind_range(self, kind: str) -> list[float] | None:
+        """The range the search began with for ``kind`` (lambda, scale, epsilon)."""
+        return self.initial_ranges.get(kind)
+
+    def block_of(self, layer: int | None) -> int:
+        """The block holding ``layer``."""
+        for index, (start, end) in enumerate(self.blocks):
+            if layer is not None and start <= layer < end:
+                return index
+        raise ConfigError(f"layer {layer} lies in no block of this search space ({self.blocks})")
+
     def settings(self, values: Mapping[str, float]) -> list[BlockSetting]:
-        """Per-block settings for :func:`mergekit_bmm.recipe.blockwise_recipe`."""
+        """Per-block settings for :func:`mergekit_bmm.recipes.blockwise.blockwise_recipe`."""
         settings = []
         for index, (start, end) in enumerate(self.blocks):
             lambdas = {group: self.fixed_lambda for group in GROUP_NAMES}

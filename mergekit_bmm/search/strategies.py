@@ -12,12 +12,17 @@ and lets the proposals continue as if the run had never stopped.
 Failed trials are told as the worst score seen so far, which steers the surrogate away
 from them without inventing a scale; failures before any success are told the first
 successful score once there is one. Replay repeats these rules, so it stays exact.
+
+Replaying costs a surrogate fit per logged batch, so ``bo`` also keeps a snapshot of its
+state after every batch (:mod:`mergekit_bmm.search.snapshot`): a resume that finds one
+matching the log restores it instead, with no fit at all.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import pickle
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -31,56 +36,134 @@ class Proposer(Protocol):
 
     def tell(self, values: Mapping[str, float], score: float | None) -> None: ...
 
+    def ask_batch(self, count: int) -> list[dict[str, float]]: ...
+
+    def tell_batch(self, results: Sequence[tuple[Mapping[str, float], float | None]]) -> None: ...
+
+    def rebuild(self) -> None: ...
+
+    def state(self) -> bytes | None:
+        """The proposer's whole state, for a snapshot (None: replaying it is cheap)."""
+        ...
+
+    def restore(self, state: bytes) -> None: ...
+
+
+class SequentialBatches:
+    """Batches of a proposer whose points do not depend on each other: ask and tell in turn."""
+
+    def state(self) -> bytes | None:
+        return None  # no surrogate: replaying the log costs nothing
+
+    def restore(self, state: bytes) -> None:
+        raise NotImplementedError
+
+    def ask_batch(self, count: int) -> list[dict[str, float]]:
+        return [self.ask() for _ in range(count)]
+
+    def tell_batch(self, results: Sequence[tuple[Mapping[str, float], float | None]]) -> None:
+        for values, score in results:
+            self.tell(values, score)
+
 
 class SkoptProposer:
     """``bo``: scikit-optimize's ``Optimizer`` with a Gaussian process and the acquisition."""
 
     def __init__(self, space: SearchSpace, config: SearchConfig) -> None:
+        self.space = space
+        self.config = config
+        self.optimizer = self._optimizer(config.n_initial, config.seed)
+        self._worst: float | None = None
+        self._provisional: list[int] = []
+        self._rebuilt = 0
+
+    def _optimizer(self, n_initial: int, seed: int):
         from skopt import Optimizer
 
-        self.space = space
-        self.optimizer = Optimizer(
-            space.skopt_dimensions(),
+        config = self.config
+        return Optimizer(
+            self.space.skopt_dimensions(),
             base_estimator="GP",
-            n_initial_points=config.n_initial,
+            n_initial_points=n_initial,
             initial_point_generator=config.initial_point_generator,
             acq_func=config.acquisition,
             acq_optimizer=config.acq_optimizer,
-            random_state=config.seed,
+            random_state=seed,
+            model_queue_size=1,  # keeps only the latest fitted surrogate (proposals use no other)
         )
-        self._worst: float | None = None
-        self._provisional: list[int] = []
+
+    def state(self) -> bytes:
+        return pickle.dumps((self.optimizer, self._worst, self._provisional, self._rebuilt))
+
+    def restore(self, state: bytes) -> None:
+        self.optimizer, self._worst, self._provisional, self._rebuilt = pickle.loads(state)
+
+    def rebuild(self) -> None:
+        """Take the space's new ranges: a new optimiser, told every point so far (one fit)."""
+        told_points, told = list(self.optimizer.Xi), list(self.optimizer.yi)
+        self._rebuilt += 1
+        remaining = max(0, self.config.n_initial - len(told))
+        self.optimizer = self._optimizer(remaining, self.config.seed + 1000 * self._rebuilt)
+        if told_points:
+            self.optimizer.tell(told_points, told)
 
     def ask(self) -> dict[str, float]:
         return self.space.as_values(self.optimizer.ask())
 
+    def ask_batch(self, count: int) -> list[dict[str, float]]:
+        """``count`` points at once: scikit-optimize's constant liar (``cl_min``) for a batch."""
+        if count == 1:
+            return [self.ask()]
+        return [
+            self.space.as_values(point) for point in self.optimizer.ask(n_points=count, strategy="cl_min")
+        ]
+
     def tell(self, values: Mapping[str, float], score: float | None) -> None:
-        point = self.space.as_point(values)
+        self.tell_batch([(values, score)])
+
+    def tell_batch(self, results: Sequence[tuple[Mapping[str, float], float | None]]) -> None:
+        """Tell a batch in order (one surrogate fit for the whole batch)."""
+        points, objectives = [], []
+        for values, score in results:
+            points.append(self.space.as_point(values))
+            objectives.append(self._objective(score, len(self.optimizer.yi) + len(objectives), objectives))
+        if len(points) == 1:
+            self.optimizer.tell(points[0], objectives[0])
+        else:
+            self.optimizer.tell(points, objectives)
+
+    def _objective(self, score: float | None, position: int, pending: list[float]) -> float:
+        """What scikit-optimize (a minimiser) is told for ``score`` at ``position`` in its log."""
         if score is None or not math.isfinite(score):
             if self._worst is None:
-                self._provisional.append(len(self.optimizer.yi))
-                objective = 0.0
-            else:
-                objective = -self._worst
-        else:
-            if self._worst is None:
-                for index in self._provisional:
+                self._provisional.append(position)
+                return 0.0
+            return -self._worst
+        if self._worst is None:
+            told = len(self.optimizer.yi)
+            for index in self._provisional:
+                if index < told:
                     self.optimizer.yi[index] = -score
-                self._provisional.clear()
-            self._worst = score if self._worst is None else min(self._worst, score)
-            objective = -score
-        self.optimizer.tell(point, objective)
+                else:
+                    pending[index - told] = -score
+            self._provisional.clear()
+        self._worst = score if self._worst is None else min(self._worst, score)
+        return -score
 
 
-class RandomProposer:
+class RandomProposer(SequentialBatches):
     """``random``: independent draws from the same skopt space and priors as ``bo``."""
 
     def __init__(self, space: SearchSpace, config: SearchConfig) -> None:
+        self.space = space
+        self.rng = np.random.RandomState(config.seed)
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Draw from the space's current ranges."""
         from skopt.space import Space
 
-        self.space = space
-        self.skopt_space = Space(space.skopt_dimensions())
-        self.rng = np.random.RandomState(config.seed)
+        self.skopt_space = Space(self.space.skopt_dimensions())
 
     def ask(self) -> dict[str, float]:
         return self.space.as_values(self.skopt_space.rvs(n_samples=1, random_state=self.rng)[0])
@@ -89,15 +172,18 @@ class RandomProposer:
         pass
 
 
-class GridProposer:
+class GridProposer(SequentialBatches):
     """One λ shared by every group and block, ``budget`` points log-spaced over the range."""
 
     def __init__(self, space: SearchSpace, config: SearchConfig) -> None:
-        low, high = config.lambda_range
+        low, high = space.kind_range("lambda")
         count = config.budget
         grid = np.geomspace(low, high, count) if count > 1 else np.array([math.sqrt(low * high)])
         self.points = [space.shared_lambda_values(float(lam), config.grid_scale) for lam in grid]
         self._next = 0
+
+    def rebuild(self) -> None:
+        """A grid is fixed by design (the ablation's baseline): its box never widens."""
 
     def ask(self) -> dict[str, float]:
         return dict(self.points[min(self._next, len(self.points) - 1)])

@@ -23,10 +23,10 @@ import torch
 from tqdm.auto import tqdm
 
 from mergekit_bmm.errors import ConfigError, StatisticsError
-from mergekit_bmm.fingerprint import model_fingerprint
-from mergekit_bmm.stats.calibration import data_fingerprint, read_samples, tokenize_samples
-from mergekit_bmm.stats.collector import GramCollector
+from mergekit_bmm.io.fingerprint import model_fingerprint
 from mergekit_bmm.stats.config import StatsConfig, TaskConfig
+from mergekit_bmm.stats.gram_hooks import GramCollector
+from mergekit_bmm.stats.samples import data_fingerprint, read_samples, tokenize_samples
 from mergekit_bmm.stats.store import (
     GRAM_DIR,
     MANIFEST,
@@ -118,13 +118,13 @@ def open_output(out: Path, force: bool) -> StatsManifest | None:
         out.mkdir(parents=True)
         return None
     if not out.is_dir():
-        raise StatisticsError(f"--out {out} is a file; choose a folder")
+        raise StatisticsError(f"OUT_PATH {out} is a file; choose a folder")
     if not (out / MANIFEST).exists():
         if any(entry.name != GRAM_DIR for entry in out.iterdir()) or any(
             (out / GRAM_DIR).glob("*.safetensors")
         ):
             raise StatisticsError(
-                f"--out {out} is not empty and is not a statistics directory; choose a new folder "
+                f"OUT_PATH {out} is not empty and is not a statistics directory; choose a new folder "
                 "(nothing there is overwritten, even with --force)"
             )
         return None
@@ -133,7 +133,7 @@ def open_output(out: Path, force: bool) -> StatsManifest | None:
     except StatisticsError as error:
         if not force:
             raise StatisticsError(
-                f"{error} — --out {out} holds unusable statistics; pass --force to replace them"
+                f"{error} — OUT_PATH {out} holds unusable statistics; pass --force to replace them"
             ) from None
         LOG.warning("replacing unusable statistics in %s (--force)", out)
         shutil.rmtree(out / GRAM_DIR, ignore_errors=True)
@@ -152,7 +152,7 @@ def reconcile(
     if extra and not force:
         raise StatisticsError(
             f"{out} also holds tasks {', '.join(extra)} that stats.yml does not list; pass --force to drop "
-            "them, or choose a new --out"
+            "them, or choose a new OUT_PATH"
         )
     keep: list[TaskStats] = []
     todo: list[TaskPlan] = []
@@ -171,7 +171,7 @@ def reconcile(
         if not force:
             raise StatisticsError(
                 f"task {plan.task.name!r} in {out} was collected differently ({'; '.join(changes)}); "
-                "pass --force to recollect it, or choose a new --out"
+                "pass --force to recollect it, or choose a new OUT_PATH"
             )
         todo.append(plan)
     return keep, todo, [recorded[name] for name in extra]

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Literal
 
 import pydantic
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mergekit_bmm.errors import ConfigError
@@ -118,14 +117,12 @@ def _first_error(error: pydantic.ValidationError) -> str:
 
 def load_stats_config(path: str | Path) -> StatsConfig:
     """Read and validate ``stats.yml``; relative paths are resolved against its folder."""
+    from mergekit_bmm.recipes.parse import read_yaml
+
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"statistics config {path} does not exist") from None
-    except yaml.YAMLError as error:
-        first = " ".join(str(error).split())
-        raise ConfigError(f"{path} is not valid YAML ({first})") from None
+    if not path.exists():
+        raise ConfigError(f"statistics config {path} does not exist")
+    raw = read_yaml(path, "statistics config")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must be a mapping with a `tasks:` list")
     return parse_stats_config(raw, path.resolve().parent, source=str(path))

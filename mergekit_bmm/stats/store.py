@@ -23,7 +23,6 @@ stored name has it: a ``BertForSequenceClassification`` checkpoint says
 
 from __future__ import annotations
 
-import json
 from collections.abc import Hashable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -32,9 +31,11 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field, PrivateAttr
 
+from mergekit_bmm.core.module_map import layer_local_name
 from mergekit_bmm.errors import StatisticsError
-from mergekit_bmm.fingerprint import model_fingerprint, same_path
-from mergekit_bmm.module_map import layer_local_name
+from mergekit_bmm.io.atomic import replacing
+from mergekit_bmm.io.fingerprint import model_fingerprint, same_path
+from mergekit_bmm.io.versioned_json import read_versioned, write_versioned
 
 FORMAT_NAME = "mergekit-bmm-stats"
 FORMAT_VERSION = 1
@@ -109,34 +110,23 @@ def _model_path(model: Hashable) -> str:
 
 
 def write_manifest(stats_dir: str | Path, manifest: StatsManifest) -> None:
-    path = Path(stats_dir) / MANIFEST
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
-    temporary.replace(path)
+    write_versioned(Path(stats_dir) / MANIFEST, manifest)
 
 
 @lru_cache(maxsize=16)
 def _load_manifest(stats_dir: str, stamp: tuple[int, int]) -> StatsManifest:
-    path = Path(stats_dir) / MANIFEST
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        return read_versioned(
+            Path(stats_dir) / MANIFEST,
+            StatsManifest,
+            "re-run mergekit-bmm-stats",
+            StatisticsError,
+            "statistics",
+        )
     except FileNotFoundError:
         raise StatisticsError(
             f"{stats_dir} is not a statistics directory (no {MANIFEST}); create it with mergekit-bmm-stats"
         ) from None
-    except ValueError as error:
-        raise StatisticsError(f"{path} is not valid JSON ({error}); re-run mergekit-bmm-stats") from None
-    if raw.get("format") != FORMAT_NAME or raw.get("format_version") != FORMAT_VERSION:
-        raise StatisticsError(
-            f"{stats_dir} holds statistics format {raw.get('format')!r} version "
-            f"{raw.get('format_version')!r}; this mergekit-bmm reads {FORMAT_NAME!r} version "
-            f"{FORMAT_VERSION}: re-run mergekit-bmm-stats"
-        )
-    try:
-        return StatsManifest.model_validate(raw)
-    except Exception as error:
-        first = str(error).splitlines()[0]
-        raise StatisticsError(f"{path} is malformed ({first}); re-run mergekit-bmm-stats") from None
 
 
 def load_manifest(stats_dir: str | Path) -> StatsManifest:
@@ -227,7 +217,6 @@ def write_grams(path: Path, grams: Mapping[str, torch.Tensor]) -> None:
     """Atomically write one task's Grams (float32, contiguous)."""
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    save_file({k: v.detach().to(torch.float32).contiguous().cpu() for k, v in grams.items()}, str(temporary))
-    temporary.replace(path)
+    tensors = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in grams.items()}
+    with replacing(path) as temporary:
+        save_file(tensors, str(temporary))

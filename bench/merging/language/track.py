@@ -14,7 +14,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from bench.merging.anchors import materialise, tune_anchor
+from bench.merging.anchor_tuning import materialise, tune_anchor
 from bench.merging.cache import ScoreCache, write_json
 from bench.merging.config import RunConfig
 from bench.merging.language.convert import prepare_language_model
@@ -204,11 +204,11 @@ def _bmm_over_anchor(
         "batch_size": batch,
         "dtype": "float32",
     }
-    search = search_config(spec.search, template, evaluator, "bo")
+    search = search_config(spec.search, template, evaluator, "bo", spec.search.seeds[0])
     key = stable_key({k: v for k, v in search.items() if k != "budget"})
     folder = cache_dir / "searches" / config.name / f"language-{anchor}-data_free-{key}"
     say(f"LM bmm    search over {anchor} (K={spec.search.budget}) -> {folder}")
-    outcome = run_search(search, folder, spec.search.threads)
+    outcome = run_search(search, folder, spec.search.threads, spec.search.workers)
     import yaml
 
     best = yaml.safe_load(outcome["best_yml"].read_text(encoding="utf-8"))

@@ -1,0 +1,107 @@
+"""What several benchmarks share: locally generated model families and memory readings."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+
+def ensure_llama_family(
+    root: Path, hidden: int, intermediate: int, layers: int, experts: int, heads: int = 16, kv_heads: int = 4
+) -> dict:
+    """Base + experts as bfloat16 safetensors under ``root`` (generated once, then reused)."""
+    spec = {"hidden": hidden, "intermediate": intermediate, "layers": layers, "experts": experts, "v": 1}
+    if (heads, kv_heads) != (16, 4):
+        spec.update(heads=heads, kv_heads=kv_heads)
+    folder = root / (
+        "family-{hidden}-{intermediate}-{layers}-{experts}".format(**spec)
+        + ("" if (heads, kv_heads) == (16, 4) else f"-{heads}h{kv_heads}")
+    )
+    marker = folder / "family.json"
+    if marker.is_file() and json.loads(marker.read_text()) == spec:
+        return {"base": folder / "base", "experts": [folder / f"expert-{i}" for i in range(experts)]}
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    from mergekit_bmm.examples.tiny_models import build_tokenizer, perturb_as_expert
+
+    hf_logging.disable_progress_bar()
+    print(f"generating the benchmark model family in {folder} (once) ...", flush=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    tokenizer = build_tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    # The base as stored: rounded to bfloat16, so experts differ from it only by their update.
+    base = transformers.LlamaForCausalLM(config).eval().to(torch.bfloat16).float()
+    paths = {"base": folder / "base", "experts": [folder / f"expert-{i}" for i in range(experts)]}
+    for index, path in enumerate([paths["base"], *paths["experts"]]):
+        model = copy.deepcopy(base)
+        if index > 0:
+            perturb_as_expert(model, seed=1000 + index)
+        model.to(torch.bfloat16).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        del model
+    marker.write_text(json.dumps(spec))
+    return paths
+
+
+def status_mib(field: str) -> float:
+    """A field of /proc/self/status (VmHWM, RssAnon, ...) in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def solved_shapes(base_dir: Path) -> list[tuple[str, int, int]]:
+    """(name, out, in) of every weight bmm solves."""
+    from mergekit_bmm.core.module_map import classify
+    from mergekit_bmm.io.checkpoint import iter_tensors
+    from mergekit_bmm.io.model_folder import model_type_of
+
+    model_type = model_type_of(base_dir)
+    shapes = []
+    for name, tensor in iter_tensors(base_dir):
+        if tensor.ndim == 2 and classify(name, model_type) is not None:
+            shapes.append((name, *tensor.shape))
+    return shapes
+
+
+def gemm_floor(shapes, repeats: int, device: str = "cpu") -> float:
+    """Minimum over ``repeats`` of the summed ``(out × in) @ (in × in)`` float32 products:
+    what one cached trial (or resident trial) cannot go below."""
+    totals = []
+    for _ in range(repeats):
+        total = 0.0
+        for _, out_features, in_features in shapes:
+            coefficients = torch.randn(out_features, in_features, device=device)
+            basis = torch.randn(in_features, in_features, device=device)
+            _synchronize(device)
+            start = time.perf_counter()
+            coefficients @ basis.T
+            _synchronize(device)
+            total += time.perf_counter() - start
+        totals.append(total)
+    return min(totals)
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()

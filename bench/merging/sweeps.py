@@ -1,0 +1,164 @@
+"""Why a search box fits or not: validation score along one λ group, or s, at a time.
+
+Around a reference point (every λ at ``reference_lambda``, ``s`` at ``reference_scale``),
+each λ group in turn, then ``s``, runs over a grid, for data-free and data-assisted BMM over
+one anchor. Every point is a resident trial of the project's search (one model merged in
+place from cached factors) scored by the benchmark's classification evaluator on the
+validation subsets, so the numbers are those a search sees. Each point also records how
+large the merged task vector is against the anchor's, ``‖U‖ / ‖U0‖`` per group: an
+activation Gram averages the experts where their inputs overlap, and the sweeps show what
+``s`` that leaves to make up.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.merging.cache import read_json, stable_key, write_json
+from bench.merging.config import SweepSpec
+from mergekit_bmm.core.module_map import GROUP_NAMES
+
+SETTING_LABELS = {"data_free": "data-free", "data_assisted": "data-assisted"}
+
+
+def _norm_ratios(resident, scale: float) -> dict[str, float]:
+    """Per group, ‖U‖ / ‖U0‖ over its solved tensors (U = (W − W_pre)/s; Q orthogonal: ‖U0 Q‖ = ‖U0‖)."""
+    merged: dict[str, float] = {}
+    anchor: dict[str, float] = {}
+    for solved in resident.solved.values():
+        factors = solved.factors_now(resident.device)
+        update = (solved.target.double() - solved.base.double()) / scale
+        merged[solved.group] = merged.get(solved.group, 0.0) + float(update.square().sum())
+        anchor_basis = factors.anchor_basis.double()
+        if factors.anchor_scale is not None:
+            anchor_basis = anchor_basis * factors.anchor_scale.double()
+        anchor[solved.group] = anchor.get(solved.group, 0.0) + float(anchor_basis.square().sum())
+    return {group: math.sqrt(merged[group] / anchor[group]) for group in merged if anchor.get(group)}
+
+
+def sweep_setting(spec: SweepSpec, search: dict[str, Any], cache: Path, progress: str = "") -> dict[str, Any]:
+    """Every point of one setting's sweeps (a resident model, scored on validation)."""
+    from tqdm.auto import tqdm
+
+    from mergekit_bmm.evaluation import make_evaluator
+    from mergekit_bmm.evaluation.config import weighted_mean
+    from mergekit_bmm.recipes.run import merge_options
+    from mergekit_bmm.search.config import parse_search_config
+    from mergekit_bmm.search.experiment import prepare_experiment
+    from mergekit_bmm.search.resident import ResidentModel
+
+    config = parse_search_config(search, cache)
+    experiment = prepare_experiment(config, cache)
+    evaluator = make_evaluator(config.evaluator, "cpu")
+    reference = {d.name: spec.reference_lambda for d in experiment.space.dimensions if d.kind == "lambda"}
+    reference["block0.scale"] = spec.reference_scale
+    resident = ResidentModel.load(
+        experiment.recipes.text(reference),
+        experiment.base_model,
+        experiment.space,
+        evaluator.loading,
+        merge_options(None, quiet=True, device="cpu"),
+    )
+    points = [("reference", None, reference)]
+    for group in experiment.space.groups:
+        for value in spec.lambdas:
+            points.append((group, value, {**reference, f"block0.{group}": value}))
+    for value in spec.scales:
+        points.append(("scale", value, {**reference, "block0.scale": value}))
+    rows = []
+    for along, value, values in tqdm(points, desc=progress, leave=False):
+        resident.apply(values)
+        per_task = evaluator.evaluate_model(resident.model, resident.tokenizer)
+        rows.append(
+            {
+                "along": along,
+                "value": value,
+                "values": values,
+                "validation": weighted_mean(per_task, evaluator.weights),
+                "per_task": per_task,
+                "norm_ratio": _norm_ratios(resident, values["block0.scale"]),
+            }
+        )
+    del resident
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {"reference": reference, "points": rows}
+
+
+def run_sweeps(
+    spec: SweepSpec,
+    searches: dict[str, dict[str, Any]],
+    anchor_validation: float | None,
+    cache_dir: Path,
+    results_folder: Path,
+) -> dict[str, Any]:
+    """Both settings' sweeps (cached by their search definitions), ``sweeps.png`` and the data."""
+    out: dict[str, Any] = {"anchor": spec.anchor, "anchor_validation": anchor_validation, "settings": {}}
+    for setting, search in searches.items():
+        key = stable_key({"spec": spec.model_dump(), "search": search})
+        path = cache_dir / "sweeps" / f"{spec.anchor}-{setting}-{key}.json"
+        if path.is_file():
+            out["settings"][setting] = read_json(path)
+            continue
+        factors = cache_dir / "sweeps" / f"factors-{spec.anchor}-{setting}"
+        result = sweep_setting(spec, search, factors, progress=f"sweeps {setting}")
+        write_json(path, result)
+        out["settings"][setting] = result
+    plot_sweeps(out, results_folder / "sweeps.png")
+    return out
+
+
+def plot_sweeps(sweeps: dict[str, Any], path: Path) -> Path:
+    """One panel per λ group and one for s: validation accuracy (top) and ‖U‖/‖U0‖ (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        g
+        for g in GROUP_NAMES
+        if any(p["along"] == g for s in sweeps["settings"].values() for p in s["points"])
+    ]
+    panels.append("scale")
+    fig, axes = plt.subplots(2, len(panels), figsize=(3.3 * len(panels), 5.6), sharey="row", squeeze=False)
+    colors = {"data_free": "#1f77b4", "data_assisted": "#d62728"}
+    for column, along in enumerate(panels):
+        top, bottom = axes[0][column], axes[1][column]
+        for setting, result in sweeps["settings"].items():
+            points = [p for p in result["points"] if p["along"] == along]
+            xs = [p["value"] for p in points]
+            label = SETTING_LABELS[setting]
+            top.plot(
+                xs, [100 * p["validation"] for p in points], marker="o", color=colors[setting], label=label
+            )
+            group = along if along != "scale" else None
+            ratios = [
+                p["norm_ratio"].get(group) if group else sum(p["norm_ratio"].values()) / len(p["norm_ratio"])
+                for p in points
+            ]
+            bottom.plot(xs, ratios, marker=".", color=colors[setting], label=label)
+        if sweeps.get("anchor_validation") is not None:
+            top.axhline(100 * sweeps["anchor_validation"], color="gray", linestyle="--", label="anchor")
+        for ax in (top, bottom):
+            if along != "scale":
+                ax.set_xscale("log")
+        top.set_title(f"λ ({along})" if along != "scale" else "s", fontsize=10)
+        bottom.set_xlabel("λ (relative)" if along != "scale" else "s")
+        bottom.axhline(1.0, color="gray", linewidth=0.8)
+    axes[0][0].set_ylabel("validation accuracy (%) ↑")
+    axes[1][0].set_ylabel("‖U‖ / ‖U0‖ (anchor = 1)")
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    reference = next(iter(sweeps["settings"].values()))["reference"]
+    fig.suptitle(
+        f"BMM over {sweeps['anchor']}: one dimension at a time around λ = "
+        f"{next(v for k, v in reference.items() if 'scale' not in k):g}, s = {reference['block0.scale']:g}",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,406 @@
+"""Search throughput: trials on disk against resident trials, and one worker against several.
+
+Each case runs one search per trial mode — same seed, same points (checked) — in a fresh
+process, after a warm-up that fills bmm's factor cache once (the searches share it, so
+neither pays for the fill inside its trials). Per trial it prints the median seconds of
+the merge, the evaluation, the surrogate (GP) and the rest (writing the recipe and the
+log, the progress bar), the peak resident memory of the process and its private memory
+after the first and the last trial, and the ratios the design targets:
+
+* the resident trial's merge against the disk trial's merge + write + reload (reload =
+  the disk trial's evaluation minus the resident one's, which score the same model);
+* everything except evaluation and GP as a share of a resident trial.
+
+Cases: ``encoder`` — the merging benchmark's MiniLM experts and heads when its cache
+exists (``--minilm-cache``), else a MiniLM-shaped BERT family (hidden 384, 6 layers,
+6 experts) with random heads; ``llama`` — a SmolLM2-135M-shaped Llama family (hidden 576,
+intermediate 1536, 30 layers, 9 heads / 3 KV heads, T = 3, bfloat16) scored by the mean
+log-likelihood of a few texts.
+
+With ``--workers 1,2`` it also runs the search with resident trials on one worker (one
+device: one CPU core, or one GPU), on one worker using the whole CPU, and on two workers
+with the local and the Ray backend (one device each), and prints trials per hour, the
+speed-up over one device, the best validation score each reached by the time the slowest
+finished, and Ray's overhead per trial (its round trip minus the worker's own merge and
+evaluation).
+
+    nice -n 10 python bench/search_throughput.py --case all --budget 8
+    python bench/search_throughput.py --case encoder --budget 12 --workers 1,2
+    python bench/search_throughput.py --case llama --device cuda     # the GPU table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import ensure_llama_family, gemm_floor, solved_shapes, status_mib  # noqa: E402
+
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mergekit-bmm" / "bench"
+SENTENCES = [
+    "Model merging combines experts fine-tuned from one pretrained model.",
+    "A Gaussian process proposes the next regularisation strengths to try.",
+    "Positive reviews praise the acting; negative reviews complain about the plot.",
+    "The quick brown fox jumps over the lazy dog.",
+]
+
+
+def texts(count: int) -> list[str]:
+    """``count`` validation texts of three to four sentences each."""
+    return [" ".join(SENTENCES[(i + k) % 4] for k in range(3 + i % 2)) for i in range(count)]
+
+
+# -- the cases ----------------------------------------------------------------------------
+def llama_case(root: Path, layers: int, eval_texts: int) -> dict:
+    family = ensure_llama_family(root, 576, 1536, layers, 3, heads=9, kv_heads=3)
+    evaluator = {
+        "type": "python",
+        "callable": "bench.search_throughput:mean_log_likelihood",
+        "python_path": [str(REPO)],
+        "args": {"texts": texts(eval_texts)},
+    }
+    title = (
+        f"SmolLM2-135M-shaped Llama (hidden 576, intermediate 1536, {layers} layers, T = 3, bfloat16), "
+        f"scored on {eval_texts} texts"
+    )
+    blocks = min(3, layers)
+    return {
+        "title": title,
+        "recipe": _recipe(family, "bfloat16"),
+        "evaluator": evaluator,
+        "blocks": blocks,
+        "base": family["base"],
+    }
+
+
+def encoder_case(root: Path, minilm_cache: Path | None) -> dict:
+    manifest = minilm_cache / "runs" / "minilm6" / "manifest.json" if minilm_cache else None
+    if manifest is not None and manifest.is_file():
+        import yaml
+
+        data = json.loads(manifest.read_text())
+        family = {"base": Path(data["base"]), "experts": [Path(p) for p in data["experts"].values()]}
+        block = yaml.safe_load((manifest.parent / "evaluator-validation.yml").read_text())["evaluator"]
+        title = f"all-MiniLM-L6-v2, {len(family['experts'])} benchmark experts, heads on 6 validation sets"
+    else:
+        family, block = _minilm_shaped(root)
+        title = "MiniLM-shaped BERT (hidden 384, 6 layers, 6 experts, random heads)"
+    recipe = _recipe(family, "float32")
+    return {"title": title, "recipe": recipe, "evaluator": block, "blocks": 1, "base": family["base"]}
+
+
+def _recipe(family: dict, dtype: str) -> dict:
+    experts = family["experts"]
+    return {
+        "merge_method": "bmm",
+        "base_model": str(family["base"]),
+        "models": [{"model": str(p), "parameters": {"weight": 0.3}} for p in experts],
+        "parameters": {"anchor_method": "task_arithmetic", "gram": "data_free"},
+        "dtype": dtype,
+    }
+
+
+def _minilm_shaped(root: Path) -> tuple[dict, dict]:
+    import torch
+
+    from mergekit_bmm.evaluation.classification import save_head
+    from mergekit_bmm.examples.tiny_models import _CORPUS, make_tiny_family
+
+    folder = root / "minilm-shaped"
+    family = (
+        make_tiny_family(folder / "family", "bert", n_experts=6, hidden=384, layers=6)
+        if not (folder / "family" / "base" / "config.json").is_file()
+        else None
+    )
+    if family is None:
+        base = folder / "family" / "base"
+        experts = sorted(p for p in (folder / "family").iterdir() if p.name.startswith("expert"))
+    else:
+        base, experts = family.base, family.experts
+    data = folder / "texts.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": t, "label": i % 2}) + "\n" for i, t in enumerate(_CORPUS * 20))
+    )
+    tasks = []
+    for index in range(3):
+        generator = torch.Generator().manual_seed(index)
+        head = save_head(
+            folder / f"head{index}.safetensors",
+            torch.randn(2, 384, generator=generator),
+            torch.zeros(2),
+            ["a", "b"],
+        )
+        tasks.append({"name": f"task{index}", "head": str(head), "data": str(data)})
+    evaluator = {"type": "classification", "max_length": 32, "batch_size": 32, "tasks": tasks}
+    return {"base": base, "experts": experts}, evaluator
+
+
+def mean_log_likelihood(model, tokenizer, texts) -> float:
+    """Mean token log-likelihood of ``texts`` under the live model (the llama case's score)."""
+    import torch
+
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    batch = tokenizer(list(texts), return_tensors="pt", padding=True)
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        logits = model(**{k: v.to(device) for k, v in batch.items()}).logits.float()
+    log_probs = torch.log_softmax(logits[:, :-1], dim=-1)
+    targets = batch["input_ids"][:, 1:].to(device)
+    mask = batch["attention_mask"][:, 1:].to(device).float()
+    picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return float((picked * mask).sum() / mask.sum())
+
+
+# -- one search per process ---------------------------------------------------------------
+def child(spec: dict) -> dict:
+    """Run one search; report its trial times and memory (runs in a fresh process)."""
+    import torch
+
+    from mergekit_bmm.search import SearchOptions, parse_search_config, run_search
+    from mergekit_bmm.search.loop import SearchRun
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    private_after: list[float] = []
+    original = SearchRun._run_batch
+
+    def run_batch(self, *args, **kwargs):
+        told = original(self, *args, **kwargs)
+        private_after.append(status_mib("RssAnon"))
+        return told
+
+    SearchRun._run_batch = run_batch
+    config = parse_search_config(spec["config"], REPO)
+    options = SearchOptions(
+        progress=False,
+        plots=False,
+        skip_best=True,
+        device=spec["device"],
+        trials=spec["mode"],
+        cache_dir=Path(spec["cache"]),
+        workers=spec.get("workers", 1),
+        backend=spec.get("backend", "local"),
+    )
+    started = time.perf_counter()
+    result = run_search(config, Path(spec["out"]), options, echo=lambda line: None)
+    return {
+        "wall": time.perf_counter() - started,
+        "startup": result.summary.startup_seconds,
+        "plan": result.summary.memory_plan,
+        "records": [
+            {"values": r.values, "score": r.score, "time": r.time, "ok": r.ok} for r in result.records
+        ],
+        "peak_rss_mib": status_mib("VmHWM"),
+        "private_after_mib": private_after,
+    }
+
+
+def run_child(spec: dict) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(spec, handle)
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", handle.name], capture_output=True, text=True, cwd=REPO
+    )
+    os.unlink(handle.name)
+    if done.returncode != 0:
+        raise SystemExit(f"search ({spec['mode']}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- the table ----------------------------------------------------------------------------
+def median_time(result: dict, key: str) -> float:
+    return statistics.median(r["time"].get(key, 0.0) for r in result["records"])
+
+
+def describe(case: dict, runs: dict, fill_seconds: float, floor: float, device: str) -> str:
+    rows = []
+    for mode, result in runs.items():
+        merge, evaluate = median_time(result, "merge"), median_time(result, "evaluate")
+        gp, total = median_time(result, "surrogate"), median_time(result, "total")
+        private = result["private_after_mib"]
+        rows.append((mode, merge, evaluate, gp, total - merge - evaluate - gp, total, result, private))
+    lines = [
+        f"{case['title']}, K = {len(runs['memory']['records'])}, device {device}",
+        f"factor cache filled once in {fill_seconds:.1f} s (shared by both searches); "
+        f"resident start-up {runs['memory']['startup']:.1f} s",
+        "",
+        f"{'trials':<8} {'merge s':>9} {'evaluate s':>11} {'GP s':>7} {'other s':>8} {'trial s':>8} "
+        f"{'peak RSS MiB':>13} {'private MiB 1st/last':>21}",
+        "-" * 92,
+    ]
+    for mode, merge, evaluate, gp, other, total, result, private in rows:
+        lines.append(
+            f"{mode:<8} {merge:>9.3f} {evaluate:>11.3f} {gp:>7.3f} {other:>8.3f} {total:>8.3f} "
+            f"{result['peak_rss_mib']:>13.0f} {private[0]:>10.0f}/{private[-1]:<10.0f}"
+        )
+    disk, memory = runs["disk"], runs["memory"]
+    reload = max(median_time(disk, "evaluate") - median_time(memory, "evaluate"), 0.0)
+    disk_cost = median_time(disk, "merge") + reload
+    memory_merge = median_time(memory, "merge")
+    memory_total = median_time(memory, "total")
+    overhead = memory_total - median_time(memory, "evaluate") - median_time(memory, "surrogate")
+    same = [r["values"] for r in disk["records"]] == [r["values"] for r in memory["records"]]
+    scores = [(a["score"], b["score"]) for a, b in zip(disk["records"], memory["records"])]
+    same_scores = all(a == b for a, b in scores)
+    lines += [
+        "",
+        f"disk trial: merge + write {median_time(disk, 'merge'):.3f} s, reload {reload:.3f} s "
+        "(its evaluation minus the resident one's)",
+        f"resident merge / (disk merge + write + reload) = {memory_merge / disk_cost:.4f} "
+        f"(1/{disk_cost / max(memory_merge, 1e-9):.1f}; target <= 1/20)",
+        f"GEMM floor of one trial (the bare products, this process): {floor:.3f} s; resident merge = "
+        f"{memory_merge / floor:.2f}x the floor, disk merge + write + reload = {disk_cost / floor:.2f}x",
+        f"resident trial minus evaluation and GP = {100 * overhead / memory_total:.1f}% of the trial "
+        "(target <= 10%)",
+        f"trials per hour: disk {3600 / median_time(disk, 'total'):.0f}, memory {3600 / memory_total:.0f} "
+        f"({median_time(disk, 'total') / memory_total:.2f}x)",
+        f"same points: {'yes' if same else 'NO'}; same scores: {'yes' if same_scores else 'NO'}",
+    ]
+    return "\n".join(lines)
+
+
+def describe_workers(case: dict, runs: dict[str, dict], device: str) -> str:
+    """Trials per hour, speed-up over one device, best score at equal wall time, Ray's overhead."""
+    finish = {label: run["records"][-1]["time"]["elapsed"] for label, run in runs.items()}
+    equal = min(finish.values())
+    single = "1 worker, 1 device"
+    lines = [
+        f"{case['title']}, K = {len(next(iter(runs.values()))['records'])}, resident trials, device {device}",
+        "",
+        f"{'workers':<28} {'wall s':>8} {'trials/hour':>12} {'vs 1 device':>12} "
+        f"{f'best at {equal:.0f} s':>14} {'best at end':>12} {'overhead/trial':>15}",
+        "-" * 107,
+    ]
+    for label, run in runs.items():
+        records = run["records"]
+        per_hour = 3600 * len(records) / finish[label]
+        by_then = [r["score"] for r in records if r["ok"] and r["time"]["elapsed"] <= equal + 1e-9]
+        overheads = [
+            r["time"]["total"] - r["time"]["surrogate"] - r["time"]["merge"] - r["time"]["evaluate"]
+            for r in records
+        ]
+        share = statistics.median(o / max(r["time"]["total"], 1e-9) for o, r in zip(overheads, records))
+        lines.append(
+            f"{label:<28} {finish[label]:>8.1f} {per_hour:>12.0f} "
+            f"{per_hour / (3600 * len(runs[single]['records']) / finish[single]):>11.2f}x "
+            f"{max(by_then) if by_then else float('nan'):>14.4f} "
+            f"{max(r['score'] for r in records if r['ok']):>12.4f} {100 * share:>14.1f}%"
+        )
+    lines += [
+        "",
+        "overhead/trial: a trial's round trip to its worker minus the worker's merge and evaluation,",
+        "as a share of the trial (median). Targets: >= 1.7x trials/hour with 2 workers on 2 devices;",
+        "Ray's overhead <= 5% of a trial.",
+    ]
+    return "\n".join(lines)
+
+
+def run_workers(case: dict, args, work: Path, counts: list[int]) -> str:
+    config = case_config(case, args)
+    base = {"config": config, "device": args.device, "cache": str(work / "cache"), "mode": "memory"}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    runs = {}
+    layouts = [("1 worker, 1 device", 1, "local", 1), (f"1 worker, {cores} threads", 1, "local", cores)]
+    for count in counts:
+        if count > 1:
+            layouts += [
+                (f"{count} workers, local", count, "local", 0),
+                (f"{count} workers, ray", count, "ray", 0),
+            ]
+    for label, workers, backend, threads in layouts:
+        if args.device.startswith("cuda") and "threads" in label:
+            continue
+        print(f"[{case['title']}] {label} ...", flush=True)
+        spec = {**base, "workers": workers, "backend": backend, "threads": threads, "out": str(work / label)}
+        runs[label] = run_child(spec)
+    return describe_workers(case, runs, args.device)
+
+
+def case_config(case: dict, args) -> dict:
+    return {
+        "recipe": case["recipe"],
+        "blocks": case["blocks"],
+        "groups": ["attn_in", "attn_out", "mlp_in", "mlp_out"],
+        "lambda_range": [1e-3, 10.0],
+        "scale_range": [0.5, 1.5],
+        "budget": args.budget,
+        "n_initial": min(args.n_initial, args.budget),
+        "seed": 0,
+        "acq_optimizer": "sampling",
+        "evaluator": case["evaluator"],
+    }
+
+
+def run_case(case: dict, args, work: Path) -> str:
+    config = case_config(case, args)
+    cache = work / "cache"
+    base = {"config": config, "device": args.device, "threads": args.threads, "cache": str(cache)}
+    print(f"[{case['title']}] filling the factor cache ...", flush=True)
+    fill = run_child(
+        {
+            **base,
+            "mode": "memory",
+            "out": str(work / "fill"),
+            "config": {**config, "budget": 1, "n_initial": 1},
+        }
+    )
+    runs = {}
+    for mode in ("disk", "memory"):
+        print(f"[{case['title']}] search with trials: {mode} ...", flush=True)
+        runs[mode] = run_child({**base, "mode": mode, "out": str(work / mode)})
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    floor = gemm_floor(solved_shapes(Path(case["base"])), repeats=3, device=args.device)
+    table = describe(case, runs, fill["startup"], floor, args.device)
+    counts = [int(count) for count in args.workers.split(",")]
+    if any(count > 1 for count in counts):
+        table += "\n\n" + run_workers(case, args, work, counts)
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", choices=["encoder", "llama", "all"], default="all")
+    parser.add_argument("--budget", type=int, default=8, help="K trials per search")
+    parser.add_argument("--n-initial", type=int, default=4)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--layers", type=int, default=30, help="layers of the llama case")
+    parser.add_argument("--eval-texts", type=int, default=64, help="validation texts of the llama case")
+    parser.add_argument("--workers", default="1", help="worker counts to compare, e.g. 1,2")
+    parser.add_argument("--minilm-cache", type=Path, default=Path("/work/bench-cache"))
+    parser.add_argument("--models", type=Path, default=DEFAULT_CACHE, help="where model families are kept")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(child(json.loads(args.child.read_text()))))
+        return
+    tables = []
+    with tempfile.TemporaryDirectory(prefix="bmm-throughput-") as scratch:
+        scratch = Path(scratch)
+        if args.case in ("encoder", "all"):
+            tables.append(run_case(encoder_case(args.models, args.minilm_cache), args, scratch / "encoder"))
+        if args.case in ("llama", "all"):
+            tables.append(
+                run_case(llama_case(args.models, args.layers, args.eval_texts), args, scratch / "llama")
+            )
+    print("\n\n".join(tables))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Hub-ready model cards, the merge record behind them, and publishing."""

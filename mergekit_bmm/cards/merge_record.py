@@ -1,0 +1,131 @@
+"""The merge record: what a merged folder's weights and recipe were when they were written.
+
+A published model must be the model its card describes. Right after the weights are
+written, the card step records, in ``mergekit_bmm_merge.json`` next to the card, the
+weights' fingerprint (the project's cheap one, as statistics use), the full SHA-256 of
+every weight file, and a digest of the recipe; ``mergekit-bmm-publish`` recomputes them
+and refuses a folder whose weights or recipe changed since. Hashing every byte costs
+about a second per GB, little next to the merge or the upload, and makes the check
+exact. The record also lists each input's own fingerprint, so a reader can tell which
+checkpoints were merged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.io.fingerprint import model_fingerprint, weight_files
+from mergekit_bmm.io.versioned_json import read_versioned, write_versioned
+
+RECORD_FILE = "mergekit_bmm_merge.json"
+RECIPE_FILE = "mergekit_config.yml"  # mergekit writes the recipe under this name
+FORMAT_NAME = "mergekit-bmm-merge-record"
+FORMAT_VERSION = 1
+
+
+class InputRecord(BaseModel):
+    model: str
+    role: Literal["base", "expert", "anchor"]
+    fingerprint: str = ""
+
+
+class MergeRecord(BaseModel):
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    package_version: str
+    mergekit_version: str = ""
+    created: str
+    merge_method: str
+    weights_fingerprint: str
+    weight_files: dict[str, int] = Field(description="weight file name -> size in bytes")
+    weight_sha256: dict[str, str] = Field(description="weight file name -> SHA-256 of its bytes")
+    recipe_file: str = RECIPE_FILE
+    recipe_sha256: str
+    inputs: list[InputRecord] = Field(default_factory=list)
+
+
+def recipe_digest(text: str) -> str:
+    """Digest of a recipe's text (newlines normalised, as text-mode files read back)."""
+    normalised = text.replace("\r\n", "\n").replace("\r", "\n")
+    return "sha256:" + hashlib.sha256(normalised.encode("utf-8")).hexdigest()
+
+
+def weight_sizes(folder: Path) -> dict[str, int]:
+    return {path.name: path.stat().st_size for path in weight_files(folder)}
+
+
+def file_sha256(path: Path, progress=None) -> str:
+    """SHA-256 of a file's bytes, read in 4 MiB blocks (``progress.update`` per block)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(4 << 20):
+            digest.update(block)
+            if progress is not None:
+                progress.update(len(block))
+    return digest.hexdigest()
+
+
+def weight_hashes(folder: Path, show_progress: bool = False) -> dict[str, str]:
+    """SHA-256 of every weight file in ``folder`` (a byte-level bar if asked)."""
+    from tqdm import tqdm
+
+    files = weight_files(folder)
+    total = sum(path.stat().st_size for path in files)
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="Hashing weights", disable=not show_progress
+    ) as bar:
+        return {path.name: file_sha256(path, bar) for path in files}
+
+
+def _versions() -> tuple[str, str]:
+    from mergekit_bmm.plugin import versions
+
+    found = versions()
+    return found["mergekit_bmm"], found["mergekit"]
+
+
+def make_record(
+    folder: str | Path, recipe_text: str, merge_method: str, inputs: Sequence[InputRecord] = ()
+) -> MergeRecord:
+    """The record of ``folder`` as it is now (call it right after the weights are written)."""
+    folder = Path(folder)
+    fingerprint = model_fingerprint(folder)
+    if not fingerprint or not weight_files(folder):
+        raise ConfigError(f"{folder} holds no weight files to record")
+    package_version, mergekit_version = _versions()
+    return MergeRecord(
+        package_version=package_version,
+        mergekit_version=mergekit_version,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        merge_method=merge_method,
+        weights_fingerprint=fingerprint,
+        weight_files=weight_sizes(folder),
+        weight_sha256=weight_hashes(folder),
+        recipe_sha256=recipe_digest(recipe_text),
+        inputs=list(inputs),
+    )
+
+
+def write_record(folder: str | Path, record: MergeRecord) -> Path:
+    """Atomically write ``RECORD_FILE`` into ``folder``."""
+    return write_versioned(Path(folder) / RECORD_FILE, record)
+
+
+def read_record(folder: str | Path) -> MergeRecord | None:
+    """The folder's record, or None if it has none."""
+    try:
+        return read_versioned(
+            Path(folder) / RECORD_FILE,
+            MergeRecord,
+            "re-run the merge to rewrite it",
+            label="a merge record of",
+        )
+    except FileNotFoundError:
+        return None

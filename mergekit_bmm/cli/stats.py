@@ -1,0 +1,49 @@
+"""``mergekit-bmm-stats STATS_YML OUT_PATH``: collect activation Grams per task."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import click
+
+from mergekit_bmm.cli.options import apply_options, command, compute_options, force_option, output_path
+from mergekit_bmm.errors import exit_on_bmm_error
+
+
+@command("mergekit-bmm-stats")
+@click.argument("config_path", metavar="STATS_YML", type=click.Path(dir_okay=False))
+@output_path()
+@force_option("tasks in OUT_PATH that were collected differently")
+@compute_options
+def main(merge_options, config_path: str, out_path: str, force: bool) -> None:
+    """Run each task's calibration data through its expert and store per-module Grams in OUT_PATH.
+
+    Re-running skips tasks that are already collected with the same checkpoint and
+    settings, so an interrupted run resumes where it stopped.
+    """
+    quiet = merge_options.quiet
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
+    apply_options(merge_options)
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from mergekit_bmm.stats.collect import collect_statistics, describe
+    from mergekit_bmm.stats.config import load_stats_config
+
+    with exit_on_bmm_error():
+        config = load_stats_config(config_path)
+        with logging_redirect_tqdm():
+            manifest = collect_statistics(
+                config, out_path, device=merge_options.device, force=force, progress=not quiet
+            )
+    click.echo(describe(manifest))
+    click.echo(f"statistics written to {out_path}")
+
+
+if __name__ == "__main__":
+    main()

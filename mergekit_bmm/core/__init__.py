@@ -1,0 +1,1 @@
+"""The BMM mathematics and tensor naming, importable without mergekit."""

@@ -1,0 +1,373 @@
+"""The BMM closed form for one weight matrix, in pure torch (no mergekit import).
+
+Notation (paper Sec. 4.1/4.3): task vectors ``U_t`` and the anchor ``U0`` are
+``(out, in)`` matrices. The MAP merge solves the normal equations
+
+    U (G + λ' I) = C + λ' U0
+
+with ``G`` an ``(in, in)`` Gram and ``C`` an ``(out, in)`` cross term:
+
+* data-free: ``G = Σ U_tᵀU_t`` and ``C = Σ U_t U_tᵀU_t``;
+* data-assisted: ``G = Σ G_t`` and ``C = Σ U_t G_t`` with ``G_t`` the activation Gram of
+  task t (``Y Xᵀ = Σ U_t X_t X_tᵀ``);
+* mix: ``ε·Ĝ_few + (1-ε)·Ĝ_df`` where each estimate (Gram and cross term alike) is first
+  divided by its Gram's mean eigenvalue ``tr(G)/d_in`` so that ε is a true interpolation
+  weight between two quantities of the same scale.
+
+λ is dimensionless by default: the ridge actually used is ``λ' = λ·tr(G)/d_in``.
+
+Singular systems: eigenvalues of ``G`` below ``d_in·eps·λ_max`` are treated as exact
+zeros. In those directions the data carry no information and the solution keeps the
+anchor, which is the λ' → 0⁺ limit of the MAP (``U = C G⁺ + U0 (I - G G⁺)``). This makes
+λ = 0 well defined on a rank-deficient ``G`` (few-shot statistics, T·out < in) instead
+of producing NaN.
+
+Large ridges: once λ' exceeds every diagonal entry of ``G`` the system is solved in its
+scaled form ``U (G/λ' + I) = C/λ' + U0``, equal in exact arithmetic and finite for any
+λ' (``λ' I`` itself overflows float32 near 3e38): the anchor is the limit λ → ∞.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+
+from mergekit_bmm.errors import ConfigError, TensorInputError
+
+LambdaMode = Literal["relative", "absolute"]
+
+
+@dataclass(frozen=True)
+class NormalEquations:
+    """The λ-independent part of one merge: ``U·G = C`` before the ridge is added."""
+
+    gram: torch.Tensor
+    cross: torch.Tensor
+
+    def __post_init__(self) -> None:
+        d_in = self.gram.shape[-1]
+        if self.gram.shape != (d_in, d_in) or self.cross.shape[-1] != d_in or self.cross.ndim != 2:
+            raise TensorInputError(
+                f"normal equations have inconsistent shapes: Gram {tuple(self.gram.shape)}, "
+                f"cross term {tuple(self.cross.shape)}"
+            )
+
+    @property
+    def d_in(self) -> int:
+        return self.gram.shape[-1]
+
+    @property
+    def mean_eigenvalue(self) -> float:
+        """``tr(G)/d_in``: the scale that makes λ and ε dimensionless."""
+        return float(torch.diagonal(self.gram).sum()) / self.d_in
+
+    def scaled(self, factor: float) -> NormalEquations:
+        return NormalEquations(self.gram * factor, self.cross * factor)
+
+    def normalized(self) -> NormalEquations:
+        """Divide Gram and cross term by the Gram's mean eigenvalue (no-op for G = 0)."""
+        scale = self.mean_eigenvalue
+        return self if scale <= 0 else self.scaled(1.0 / scale)
+
+
+def _stack(task_vectors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    if not task_vectors:
+        raise TensorInputError("the closed form needs at least one task vector")
+    shape = task_vectors[0].shape
+    if len(shape) != 2:
+        raise TensorInputError(f"task vectors must be 2D (out, in); got shape {tuple(shape)}")
+    for index, vector in enumerate(task_vectors):
+        if vector.shape != shape:
+            raise TensorInputError(
+                f"task vector {index} has shape {tuple(vector.shape)}, expected {tuple(shape)}"
+            )
+    return [vector.to(dtype) for vector in task_vectors]
+
+
+def data_free_equations(
+    task_vectors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32
+) -> NormalEquations:
+    """``G = Σ U_tᵀU_t`` and ``C = Σ U_t U_tᵀU_t`` (paper eq. for data-free BMM).
+
+    ``C`` is formed as ``Σ (U_t U_tᵀ) U_t`` when ``out < in`` (cheaper), else as
+    ``Σ U_t (U_tᵀ U_t)``; both are the same matrix.
+    """
+    vectors = _stack(task_vectors, dtype)
+    out_features, in_features = vectors[0].shape
+    gram = vectors[0].new_zeros((in_features, in_features))
+    cross = vectors[0].new_zeros((out_features, in_features))
+    for vector in vectors:
+        task_gram = vector.T @ vector
+        gram += task_gram
+        if out_features < in_features:
+            cross += (vector @ vector.T) @ vector
+        else:
+            cross += vector @ task_gram
+        del task_gram
+    return NormalEquations(gram, cross)
+
+
+def activation_equations(
+    task_vectors: Sequence[torch.Tensor],
+    activation_grams: Sequence[torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+) -> NormalEquations:
+    """``G = Σ G_t`` and ``C = Σ U_t G_t`` from per-task activation Grams (data-assisted)."""
+    vectors = _stack(task_vectors, dtype)
+    if len(activation_grams) != len(vectors):
+        raise TensorInputError(
+            f"got {len(activation_grams)} activation Grams for {len(vectors)} task vectors"
+        )
+    out_features, in_features = vectors[0].shape
+    gram = vectors[0].new_zeros((in_features, in_features))
+    cross = vectors[0].new_zeros((out_features, in_features))
+    for index, (vector, task_gram) in enumerate(zip(vectors, activation_grams)):
+        if task_gram.shape != (in_features, in_features):
+            raise TensorInputError(
+                f"activation Gram {index} has shape {tuple(task_gram.shape)}, expected "
+                f"({in_features}, {in_features}) for a weight of shape ({out_features}, {in_features})"
+            )
+        task_gram = task_gram.to(device=vector.device, dtype=dtype)
+        gram += task_gram
+        cross += vector @ task_gram
+    return NormalEquations(gram, cross)
+
+
+def mix_equations(few_shot: NormalEquations, data_free: NormalEquations, epsilon: float) -> NormalEquations:
+    """``ε·few + (1-ε)·df`` after normalising each by its Gram's mean eigenvalue."""
+    if not 0.0 <= epsilon <= 1.0:
+        raise ConfigError(f"epsilon must lie in [0, 1]; got {epsilon}")
+    few = few_shot.normalized()
+    free = data_free.normalized()
+    return NormalEquations(
+        epsilon * few.gram + (1.0 - epsilon) * free.gram,
+        epsilon * few.cross + (1.0 - epsilon) * free.cross,
+    )
+
+
+def ridge_of(lam: float, mean_eigenvalue: float, mode: LambdaMode = "relative") -> float:
+    """The ridge λ' added to ``G``: ``λ·tr(G)/d_in`` (relative) or ``λ`` (absolute), in float64.
+
+    ``G = 0`` (every expert equals the base) gives λ' = 0 in relative mode, whatever λ: the
+    solution is the anchor then for any ridge.
+    """
+    if lam < 0 or lam != lam:
+        raise ConfigError(f"lambda must be a number >= 0; got {lam}")
+    if mode == "relative":
+        return float(lam) * mean_eigenvalue if mean_eigenvalue > 0 else 0.0
+    if mode == "absolute":
+        return float(lam)
+    raise ConfigError(f"lambda_mode must be 'relative' or 'absolute'; got {mode!r}")
+
+
+def effective_ridge(lam: float, equations: NormalEquations, mode: LambdaMode = "relative") -> float:
+    """The ridge λ' actually added to ``G`` for these equations."""
+    return ridge_of(lam, equations.mean_eigenvalue, mode)
+
+
+_noted_limit = False
+
+
+def _note_zero_ridge_limit() -> None:
+    """Say once per process that λ' = 0 met a rank-deficient ``G`` and the λ' → 0⁺ limit was used."""
+    global _noted_limit
+    if not _noted_limit:
+        _noted_limit = True
+        logging.getLogger("mergekit_bmm").warning(
+            "bmm: lambda 0 with a rank-deficient Gram: directions the data do not reach keep the "
+            "anchor (the lambda -> 0+ limit, docs/numerics.md); said once"
+        )
+
+
+def _ridge_dominates(ridge: float, diagonal_max: float) -> bool:
+    """Whether λ' exceeds every diagonal entry of ``G``: then the scaled form is solved."""
+    return ridge > max(diagonal_max, 0.0)
+
+
+def zero_tolerance(eigenvalue_max: float, d_in: int, dtype: torch.dtype) -> float:
+    """Eigenvalues at or below this are numerically zero (numpy's pinv convention)."""
+    return max(eigenvalue_max, 0.0) * d_in * torch.finfo(dtype).eps
+
+
+def _diagonal_max(gram: torch.Tensor) -> float:
+    # max(diag) is a cheap stand-in for λ_max (within a factor d_in, no eigensolve).
+    return float(torch.diagonal(gram).max()) if gram.numel() else 0.0
+
+
+def _ridge_is_regular(ridge: float, diagonal_max: float, d_in: int, dtype: torch.dtype) -> bool:
+    """Whether ``G + λ'I`` is solved as is (True) or by the λ' → 0⁺ limit (False)."""
+    return ridge > zero_tolerance(diagonal_max, d_in, dtype)
+
+
+@dataclass(frozen=True)
+class EigenFactors:
+    """``G = Q Λ Qᵀ`` with ``C Q`` and ``U0 Q``: everything a new λ needs.
+
+    ``U(λ') = (C Q · a + U0 Q · b) Qᵀ`` with ``a = 1/(Λ+λ')`` and ``b = λ'/(Λ+λ')``.
+    Where :func:`solve` would take its eigen fallback (λ' at or below the zero tolerance
+    of ``max diag G``), eigenvalues below the zero tolerance get ``a = 0, b = 1`` instead,
+    exactly as that fallback does; above it no eigenvalue is clipped, as in the Cholesky
+    solve (clipping there would drop real, small directions of ``G``).
+
+    Factors may be stored at a lower precision than the solve (float16 in a cache), as
+    matrices whose columns are multiplied by ``*_scale`` vectors; the scales are folded
+    into ``a`` and ``b``, so no rescaled copy of a matrix is ever made. The eigenvalues'
+    dtype is the dtype of the solve.
+    """
+
+    basis: torch.Tensor
+    eigenvalues: torch.Tensor
+    cross_basis: torch.Tensor
+    anchor_basis: torch.Tensor
+    mean_eigenvalue: float
+    diagonal_max: float | None = None
+    basis_scale: torch.Tensor | None = None
+    cross_scale: torch.Tensor | None = None
+    anchor_scale: torch.Tensor | None = None
+
+    @property
+    def d_in(self) -> int:
+        return self.basis.shape[0]
+
+    def to(self, device: torch.device | str) -> EigenFactors:
+        """The same factors on ``device`` (no copy when already there)."""
+        moved = {
+            field.name: value.to(device) if isinstance(value, torch.Tensor) else value
+            for field in fields(self)
+            if (value := getattr(self, field.name)) is not None
+        }
+        return EigenFactors(**moved)
+
+    def decoded_basis(self, dtype: torch.dtype) -> torch.Tensor:
+        """``Q`` itself in ``dtype`` (its column scales applied when stored in float16)."""
+        basis = self.basis.to(dtype)
+        return basis if self.basis_scale is None else basis * self.basis_scale.to(dtype)
+
+    def ridge(self, lam: float, mode: LambdaMode = "relative") -> float:
+        return ridge_of(lam, self.mean_eigenvalue, mode)
+
+
+def _check_anchor(equations: NormalEquations, anchor: torch.Tensor) -> None:
+    if anchor.shape != equations.cross.shape:
+        raise TensorInputError(
+            f"anchor task vector has shape {tuple(anchor.shape)}, expected {tuple(equations.cross.shape)}"
+        )
+
+
+def eigen_factors(
+    equations: NormalEquations, anchor: torch.Tensor, dtype: torch.dtype | None = None
+) -> EigenFactors:
+    """Diagonalise ``G`` once; any λ is then a single (out × in × in) product.
+
+    ``dtype`` (default: the Gram's) is the precision of the factorisation. Computing it
+    in float64 and rounding the factors afterwards makes the factored route as accurate
+    as a float64 solve of the same ``G`` and ``C``: each column of ``C Q`` is then right
+    to its own relative precision, whereas a float32 ``eigh`` and ``C Q`` carry errors
+    of ``eps·‖C‖`` that ``1/(λ_i + λ')`` amplifies in the small directions.
+    """
+    _check_anchor(equations, anchor)
+    dtype = dtype or equations.gram.dtype
+    gram = equations.gram.to(dtype)
+    eigenvalues, basis = torch.linalg.eigh(0.5 * (gram + gram.T))
+    del gram
+    anchor = anchor.to(device=basis.device, dtype=dtype)
+    return EigenFactors(
+        basis=basis,
+        eigenvalues=eigenvalues,
+        cross_basis=equations.cross.to(dtype) @ basis,
+        anchor_basis=anchor @ basis,
+        mean_eigenvalue=equations.mean_eigenvalue,
+        diagonal_max=_diagonal_max(equations.gram),
+    )
+
+
+def factor_coefficients(factors: EigenFactors, ridge: float) -> torch.Tensor:
+    """``C Q·a + U0 Q·b``, so that ``U(λ') = coefficients @ basisᵀ`` (the stored basis)."""
+    if ridge < 0 or ridge != ridge:
+        raise ConfigError(f"the effective ridge must be >= 0; got {ridge}")
+    eigenvalues = factors.eigenvalues
+    compute = eigenvalues.dtype
+    scale = factors.diagonal_max if factors.diagonal_max is not None else float(eigenvalues.max())
+    if _ridge_dominates(ridge, scale):  # b = 1/(1 + Λ/λ'), a = b/λ': finite for any λ'
+        inverse = 1.0 / ridge
+        anchor_weight = 1.0 / (1.0 + eigenvalues.clamp_min(0.0) * inverse)
+        data_weight = anchor_weight * inverse
+    else:
+        if _ridge_is_regular(ridge, scale, factors.d_in, compute):
+            eigenvalues = eigenvalues.clamp_min(0.0)
+            kept = torch.ones_like(eigenvalues, dtype=torch.bool)
+        else:
+            kept = eigenvalues > zero_tolerance(float(eigenvalues.max()), factors.d_in, compute)
+            if not bool(kept.all()):
+                _note_zero_ridge_limit()
+        denominator = torch.where(kept, eigenvalues + ridge, torch.ones_like(eigenvalues))
+        data_weight = torch.where(kept, 1.0 / denominator, torch.zeros_like(eigenvalues))
+        anchor_weight = torch.where(kept, ridge / denominator, torch.ones_like(eigenvalues))
+    for scale, weights in (
+        (factors.cross_scale, (data_weight,)),
+        (factors.anchor_scale, (anchor_weight,)),
+        (factors.basis_scale, (data_weight, anchor_weight)),
+    ):
+        for weight in weights if scale is not None else ():
+            weight.mul_(scale.to(compute))
+    # Mixed-precision operands are widened element by element: no converted copies.
+    coefficients = torch.mul(factors.anchor_basis, anchor_weight)
+    return coefficients.addcmul_(factors.cross_basis, data_weight)
+
+
+def solve_from_factors(factors: EigenFactors, ridge: float) -> torch.Tensor:
+    """``U(λ')`` from cached eigen factors (exact, including λ' = 0 on singular ``G``)."""
+    coefficients = factor_coefficients(factors, ridge)
+    return coefficients @ factors.basis.T.to(coefficients.dtype)
+
+
+def weight_from_factors(
+    factors: EigenFactors, base: torch.Tensor, ridge: float, scale: float, transposed: bool = False
+) -> torch.Tensor:
+    """``W_pre + s·U(λ')`` in ``base``'s dtype and layout: one product with the sum fused into it.
+
+    This is all a cached merge (a search trial) computes per tensor. ``transposed``: the
+    weight is stored (in, out), so ``W = W_pre + s·Q·coefficientsᵀ``. (Adding a bfloat16
+    base to a float32 product in one mixed-dtype pass measured slower than widening the
+    base and rounding the result.)
+    """
+    coefficients = factor_coefficients(factors, ridge)
+    basis = factors.basis.to(coefficients.dtype)
+    left, right = (basis, coefficients.T) if transposed else (coefficients, basis.T)
+    merged = torch.addmm(base.to(coefficients.dtype), left, right, alpha=scale)
+    return merged.to(base.dtype)
+
+
+def solve(equations: NormalEquations, anchor: torch.Tensor, ridge: float) -> torch.Tensor:
+    """``U = (C + λ'U0)(G + λ'I)⁻¹`` by Cholesky; eigen fallback when (near) singular."""
+    _check_anchor(equations, anchor)
+    if ridge < 0 or ridge != ridge:
+        raise ConfigError(f"the effective ridge must be >= 0; got {ridge}")
+    gram = equations.gram
+    anchor = anchor.to(device=gram.device, dtype=gram.dtype)
+    diagonal_max = _diagonal_max(gram)
+    if _ridge_is_regular(ridge, diagonal_max, equations.d_in, gram.dtype):
+        identity = torch.eye(equations.d_in, dtype=gram.dtype, device=gram.device)
+        if _ridge_dominates(ridge, diagonal_max):  # U (G/λ' + I) = C/λ' + U0
+            inverse = 1.0 / ridge
+            system, right = gram * inverse + identity, (equations.cross * inverse + anchor).T
+        else:
+            system, right = gram + ridge * identity, (equations.cross + ridge * anchor).T
+        factor, info = torch.linalg.cholesky_ex(system)
+        if int(info) == 0:
+            return torch.cholesky_solve(right, factor).T
+    return solve_from_factors(eigen_factors(equations, anchor), ridge)
+
+
+def merge_matrix(
+    equations: NormalEquations,
+    anchor: torch.Tensor,
+    lam: float,
+    lambda_mode: LambdaMode = "relative",
+) -> torch.Tensor:
+    """The merged task vector ``U`` for a dimensionless (or absolute) λ."""
+    return solve(equations, anchor, effective_ridge(lam, equations, lambda_mode))

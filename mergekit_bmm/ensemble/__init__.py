@@ -1,0 +1,1 @@
+"""Scoring sampled models as one ensemble: accuracy and calibration (ECE)."""

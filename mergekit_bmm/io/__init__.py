@@ -1,0 +1,1 @@
+"""Reading and writing files: checkpoints, fingerprints, atomic writes, versioned JSON, recipes."""

@@ -1,0 +1,80 @@
+"""What a local model folder says about itself: its architecture, depth and tensor names.
+
+Everything is read through the libraries that own the formats: the configuration through
+``transformers.AutoConfig`` (which also knows each architecture's own key for the layer
+count, e.g. GPT-2's ``n_layer``), tensor names from the safetensors headers alone.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from mergekit_bmm.errors import ConfigError
+
+
+def model_dir(reference: str | Path) -> Path:
+    """The folder of a mergekit model reference (``path+lora`` names the base folder)."""
+    return Path(str(reference).split("+", 1)[0])
+
+
+@lru_cache(maxsize=64)
+def _config(path: str, stamp: int) -> Any:
+    from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        # An architecture this transformers does not know: its raw config.json still names it.
+        raw, _ = PretrainedConfig.get_config_dict(path, local_files_only=True)
+        return PretrainedConfig(**raw)
+
+
+def model_config(reference: str | Path) -> Any:
+    """The folder's configuration; a one-line error if it has none."""
+    folder = model_dir(reference)
+    path = folder / "config.json"
+    try:
+        stamp = path.stat().st_mtime_ns
+        return _config(str(folder), stamp)
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"cannot read {path} ({type(error).__name__}): a model must be a local folder with a config.json"
+        ) from None
+
+
+def model_type_of(reference: Any) -> str | None:
+    """``model_type`` of a local model folder (or a mergekit ModelReference); None if unknown."""
+    model = getattr(reference, "model", None)
+    path = getattr(model, "path", reference)
+    if not isinstance(path, (str, Path)) or not (model_dir(path) / "config.json").is_file():
+        return None
+    try:
+        return getattr(model_config(path), "model_type", None) or None
+    except ConfigError:
+        return None
+
+
+def num_layers_of(reference: str | Path) -> int:
+    """The number of transformer layers of a local model folder."""
+    config = model_config(reference)
+    for candidate in (config, getattr(config, "text_config", None)):
+        layers = getattr(candidate, "num_hidden_layers", None)
+        if isinstance(layers, int):
+            return layers
+    raise ConfigError(f"{model_dir(reference) / 'config.json'} does not say how many layers the model has")
+
+
+def weight_names_of(reference: str | Path) -> list[str]:
+    """Tensor names of a local checkpoint (safetensors headers only)."""
+    from safetensors import safe_open
+
+    directory = model_dir(reference)
+    names: list[str] = []
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            names.extend(handle.keys())
+    if not names:
+        raise ConfigError(f"no .safetensors weights in {directory}")
+    return names

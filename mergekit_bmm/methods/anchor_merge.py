@@ -1,0 +1,171 @@
+"""The anchor (prior mean) of a BMM merge, computed by another registered method.
+
+``U0 = W_anchor - W_pre``. ``W_anchor`` comes from, in order of precedence:
+
+1. an input marked ``anchor: true`` (a merge materialised once elsewhere);
+2. ``anchor_method: pretrained`` — the base itself (U0 = 0);
+3. any registered mergekit method, run on the same base and experts through its public
+   ``__call__`` with its own parameters forwarded from the recipe
+   (:func:`~mergekit_bmm.methods.bmm_parameters.anchor_value`: ``anchor_<name>`` first, then
+   ``<name>``; of BMM's own names only ``stats`` also reaches the anchor, so one
+   statistics directory serves data-assisted BMM and a ``regmean`` anchor).
+
+Random anchors (DARE, DELLA) draw from torch's global generator; the call is wrapped in
+a generator seeded from the tensor name (crc32, stable across processes) and
+``anchor_seed``, so every merge of a recipe — every search trial — sees the same anchor.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from mergekit.merge_methods.base import (
+    BasePolicy,
+    ParameterScope,
+    TensorEntry,
+    TensorGroup,
+)
+
+from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.methods.bmm_parameters import DEFAULT_ANCHOR, PRETRAINED_ANCHOR, anchor_value
+
+
+def _model_label(entry_id: Any) -> str:
+    return str(entry_id)
+
+
+def resolve_anchor_method(anchor_method: str | None, anchor_entry: TensorEntry | None) -> str | None:
+    """Name of the method to run, or None when a marked input is the anchor."""
+    if anchor_entry is not None:
+        if anchor_method not in (None,):
+            raise ConfigError(
+                f"bmm: both `anchor_method: {anchor_method}` and an input marked `anchor: true` "
+                f"({_model_label(anchor_entry.id)}) were given; keep only one of them"
+            )
+        return None
+    return anchor_method or DEFAULT_ANCHOR
+
+
+def _forwarded(method, parameters: Mapping[str, Any], entries: Sequence[TensorEntry]) -> dict[str, Any]:
+    """The anchor method's parameters from the recipe, in the shape its spec expects."""
+    forwarded: dict[str, Any] = {}
+    for spec in method.spec.parameters:
+        value = anchor_value(parameters, spec.name)
+        if value is None:
+            continue
+        if spec.scope == ParameterScope.SHARED:
+            if isinstance(value, Mapping):
+                values = {v for v in value.values() if v is not None}
+                if len(values) != 1:
+                    raise ConfigError(
+                        f"bmm: anchor `{method.spec.name}` takes `{spec.name}` as one shared value; "
+                        "give it under the recipe's `parameters:`, not per model"
+                    )
+                value = values.pop()
+            forwarded[spec.name] = value
+            continue
+        # BMM declares per-model values for the experts only: a base value never exists.
+        targets = [e for e in entries if not e.is_base]
+        if not isinstance(value, Mapping):
+            forwarded[spec.name] = {e.id: value for e in targets}
+            continue
+        missing = [e for e in targets if value.get(e.id) is None]
+        if missing and len(missing) < len(targets):
+            raise ConfigError(
+                f"bmm: anchor `{method.spec.name}` needs `{spec.name}` for every expert; missing for "
+                + ", ".join(_model_label(e.id) for e in missing)
+            )
+        if not missing:
+            forwarded[spec.name] = {e.id: value[e.id] for e in targets}
+    return forwarded
+
+
+def _anchor_call(
+    base: TensorEntry, tasks: Sequence[TensorEntry], method_name: str, parameters: Mapping[str, Any]
+):
+    """The anchor method, the inputs it takes, and its parameters from the recipe."""
+    from mergekit.merge_methods import registry
+
+    method = registry.get(method_name)
+    takes_base = method.spec.contract.base in (BasePolicy.REQUIRED, BasePolicy.OPTIONAL)
+    entries = (base, *tasks) if takes_base else tuple(tasks)
+    if not takes_base:
+        entries = tuple(TensorEntry(id=e.id, tensor=e.tensor, is_base=False) for e in entries)
+    return method, entries, _forwarded(method, parameters, entries)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready copy of a parameter value (model ids become their names)."""
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class AnchorSource:
+    """Where one output tensor's anchor ``W_anchor`` comes from.
+
+    ``method_name`` is None when ``anchor_entry`` (an input marked ``anchor: true``) is the
+    anchor; ``parameters`` are the recipe's, as mergekit resolved them for this tensor.
+    """
+
+    group: TensorGroup
+    tasks: tuple[TensorEntry, ...]
+    anchor_entry: TensorEntry | None
+    method_name: str | None
+    parameters: Mapping[str, Any]
+    seed: int = 0
+
+    @property
+    def computed(self) -> bool:
+        """Whether another method computes the anchor (rather than copying an input or the base)."""
+        return bool(self.tasks) and self.anchor_entry is None and self.method_name != PRETRAINED_ANCHOR
+
+    def dependencies(self) -> dict[str, Any]:
+        """Everything :meth:`weight` depends on besides the input tensors (for cache keys)."""
+        if self.anchor_entry is not None:
+            return {"input": str(self.anchor_entry.id)}
+        if not self.computed:
+            return {"method": PRETRAINED_ANCHOR}
+        _, entries, forwarded = _anchor_call(self.group.base, self.tasks, self.method_name, self.parameters)
+        return {
+            "method": self.method_name,
+            "inputs": [str(e.id) for e in entries],
+            "parameters": _plain(forwarded),
+            "seed": self.seed,
+        }
+
+    def weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The anchor's full weight ``W_anchor`` for this tensor, in ``dtype``."""
+        group = self.group
+        if self.anchor_entry is not None:
+            return self.anchor_entry.tensor.to(dtype)
+        if not self.computed:
+            return group.base.tensor.to(dtype)
+        method, entries, forwarded = _anchor_call(group.base, self.tasks, self.method_name, self.parameters)
+        sub_group = TensorGroup(entries=entries, metadata=group.metadata)
+        device = group.base.tensor.device
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            name_seed = zlib.crc32((group.metadata.name or "").encode())
+            torch.manual_seed((name_seed + 1_000_003 * self.seed) % (2**63))
+            try:
+                (result,) = method((sub_group,), parameters=forwarded, dtype=dtype)
+            except TypeError as error:
+                if "Missing required parameter" in str(error):
+                    missing = str(error).split("Missing required parameter", 1)[1].split(" for ")[0].strip()
+                    raise ConfigError(
+                        f"bmm: anchor `{self.method_name}` needs parameter `{missing}` (tensor "
+                        f"{group.metadata.name}); set it in the recipe, e.g. per model "
+                        f"`parameters: {{{missing}: ...}}`"
+                    ) from None
+                raise
+        return result.to(dtype)

@@ -1,0 +1,332 @@
+"""Every change the plugin makes to mergekit, in one place: each probed and version-gated.
+
+A patch names the mergekit module it changes, the mergekit versions it was written for,
+and a probe; it is applied only when the installed version is one of those and the probe
+finds what the patch expects, so a newer mergekit is left alone. :data:`APPLIED` lists
+what was patched in this process.
+
+``optional_alias_check`` (``mergekit.plan``) — mergekit 0.1.5, ``plan.py`` line 186:
+``MergePlanner.plan_tensor`` tests whether an *optional* weight is present with
+``[w_in.name] + (w_in.aliases or [])``, but ``WeightInfo.aliases`` is a tuple, so any
+optional weight with aliases raises ``TypeError: can only concatenate list (not "tuple")
+to list``. BERT's ``embeddings.position_ids`` is such a weight, so every BERT merge fails
+at planning. The patch performs the same presence check correctly, skips the weight when
+no input has it (as mergekit means to), and otherwise plans it as mergekit does.
+
+``output_folder`` (``mergekit.plan``) — ``MergePlanner.plan_to_disk(out_path)`` is the one
+place where mergekit hands over the output folder of a merge. The wrapper remembers it
+for the configuration being planned, so the card seam below knows where the weights went.
+
+``plugin_card`` (``mergekit.merge``) — ``run_merge`` writes ``README.md`` from
+``generate_card(config, config_yaml, name)`` (imported by name into ``mergekit.merge``).
+For merges made with the plugin's methods the wrapper writes the merge record into the
+folder remembered for that very configuration object, and returns the plugin's own card
+(:mod:`mergekit_bmm.cards.card`), which never asks the Hub (mergekit's ``is_hf`` crashes
+offline on relative paths). If anything fails it returns a minimal card. Every other merge
+gets mergekit's own card.
+
+``merge_preflight`` (``mergekit.merge``) — ``run_merge(merge_config, out_path, ...)`` is
+where every merge starts (``mergekit-yaml`` imports it by name after the hook has run).
+The wrapper first runs :func:`mergekit_bmm.recipes.preflight.check_merge`: the method is
+registered, local model folders exist and are models of one hidden size, the output
+folder can be written; for the plugin's own methods also that it holds no file a merge
+did not write. A failed check is one line instead of mergekit's traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LOG = logging.getLogger("mergekit_bmm")
+
+SUPPORTED_MERGEKIT = ("0.1.5",)
+APPLIED: list[str] = []
+_MARK = "_mergekit_bmm_patch"
+_PROBE_PATH = "/nonexistent/mergekit-bmm-patch-probe"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change to one mergekit module."""
+
+    name: str
+    module: str
+    attribute: str  # what is replaced, e.g. "MergePlanner.plan_tensor"
+    probe: Callable[[Any], bool]
+    install: Callable[[Any], None]
+
+    def target(self, module: Any) -> Any:
+        for part in self.attribute.split("."):
+            module = getattr(module, part, None)
+        return module
+
+
+def mergekit_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mergekit")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _fully_loaded(module_name: str) -> Any | None:
+    """The module if it has finished executing (None while it is half-way through its import)."""
+    module = sys.modules.get(module_name)
+    spec = getattr(module, "__spec__", None)
+    if module is None or getattr(spec, "_initializing", False):
+        return None
+    return module
+
+
+# ----------------------------------------------------------- optional_alias_check
+
+
+def _any_input_present(weights_in, models) -> bool:
+    from mergekit.io.tasks import LoaderCache
+
+    for model, w_in in zip(models, weights_in):
+        index = LoaderCache().get(model).index
+        if any(name in index.tensor_paths for name in (w_in.name, *(w_in.aliases or ()))):
+            return True
+    return False
+
+
+def optional_alias_bug_present(plan_module: Any = None) -> bool:
+    """Run mergekit's own ``plan_tensor`` on an optional weight with tuple aliases.
+
+    The probe model is a fake loader entry holding no tensors, so a correct mergekit
+    skips the weight before touching the planner; the buggy one raises the ``TypeError``.
+    """
+    from types import SimpleNamespace
+
+    from mergekit.architecture.base import WeightInfo
+    from mergekit.common import ModelReference
+    from mergekit.io.tasks import LoaderCache
+
+    if plan_module is None:
+        import mergekit.plan as plan_module
+    planner = plan_module.MergePlanner
+    original = getattr(planner.plan_tensor, "__wrapped__", planner.plan_tensor)
+    model = ModelReference.model_validate({"model": {"path": _PROBE_PATH}})
+    weight = WeightInfo(name="probe.weight", optional=True, aliases=("probe.alias",))
+    loaders = LoaderCache.loaders
+    loaders[model] = SimpleNamespace(index=SimpleNamespace(tensor_paths={}))
+    try:
+        original(None, weight, [weight], [model], None)
+    except TypeError as error:
+        return "concatenate list" in str(error)
+    except Exception:
+        return False
+    finally:
+        loaders.pop(model, None)
+    return False
+
+
+def _install_optional_alias_check(plan_module) -> None:
+    planner = plan_module.MergePlanner
+    original = planner.plan_tensor
+
+    @functools.wraps(original)
+    def plan_tensor(self, weight, weights_in, models, cfg_reader):
+        if not weight.optional:
+            return original(self, weight, weights_in, models, cfg_reader)
+        if not _any_input_present(weights_in, models):
+            logging.info(f"Skipping optional weight {weight.name}")
+            return None
+        planned = len(self._tensors)
+        original(self, weight.model_copy(update={"optional": False}), weights_in, models, cfg_reader)
+        if len(self._tensors) > planned:
+            _, task = self._tensors[-1]
+            self._tensors[-1] = (weight, task.model_copy(update={"output_weight": weight}))
+        return None
+
+    setattr(plan_tensor, _MARK, True)
+    planner.plan_tensor = plan_tensor
+
+
+# ------------------------------------------------------------------ output_folder
+
+# Output folders of the latest planned merges, by the identity of their configuration
+# object (mergekit hands the same object to the planner and to generate_card). A few
+# entries suffice: a merge's card is written right after it is planned and run.
+_OUTPUT_FOLDERS: OrderedDict[int, tuple[Any, str]] = OrderedDict()
+_REMEMBERED = 16
+
+
+def output_folder_of(config: Any) -> Path | None:
+    """The folder that ``config`` was last planned to be written to, if known."""
+    entry = _OUTPUT_FOLDERS.get(id(config))
+    if entry is None or entry[0] is not config:
+        return None
+    return Path(entry[1])
+
+
+def _has_plan_to_disk(plan_module) -> bool:
+    import inspect
+
+    method = getattr(plan_module.MergePlanner, "plan_to_disk", None)
+    return method is not None and "out_path" in inspect.signature(method).parameters
+
+
+def _install_output_folder(plan_module) -> None:
+    planner = plan_module.MergePlanner
+    original = planner.plan_to_disk
+
+    @functools.wraps(original)
+    def plan_to_disk(self, out_path: str, *args, **kwargs):
+        _OUTPUT_FOLDERS[id(self.config)] = (self.config, str(out_path))
+        while len(_OUTPUT_FOLDERS) > _REMEMBERED:
+            _OUTPUT_FOLDERS.popitem(last=False)
+        return original(self, out_path, *args, **kwargs)
+
+    setattr(plan_to_disk, _MARK, True)
+    planner.plan_to_disk = plan_to_disk
+
+
+# ------------------------------------------------------------------- plugin_card
+
+
+def _has_generate_card(merge_module) -> bool:
+    import inspect
+
+    function = getattr(merge_module, "generate_card", None)
+    if function is None:
+        return False
+    return {"config", "config_yaml", "name"} <= set(inspect.signature(function).parameters)
+
+
+def plugin_card(config: Any, config_yaml: str, name: str | None) -> str:
+    """The merge record and the plugin's card for a merge made with one of its methods."""
+    from mergekit_bmm.cards import card
+
+    out_dir = output_folder_of(config)
+    if out_dir is None or not out_dir.is_dir():
+        LOG.warning(
+            "mergekit-bmm: output folder unknown; the merge record (weights fingerprint) is not written"
+        )
+        out_dir = None
+    else:
+        try:
+            card.record_merge(out_dir, config_yaml)
+        except Exception as error:
+            LOG.warning("mergekit-bmm: could not write the merge record: %s", error)
+    try:
+        return card.merge_card(config_yaml, out_dir=out_dir, name=name)
+    except Exception as error:
+        LOG.warning("mergekit-bmm: could not build the full model card (%s); writing a minimal one", error)
+        return card.minimal_card(config, config_yaml, name)
+
+
+def _install_plugin_card(merge_module) -> None:
+    from mergekit_bmm.plugin import method_names
+
+    original = merge_module.generate_card
+
+    @functools.wraps(original)
+    def generate_card(config, config_yaml, name=None):
+        if getattr(config, "merge_method", None) not in method_names():
+            return original(config, config_yaml, name)
+        return plugin_card(config, config_yaml, name)
+
+    setattr(generate_card, _MARK, True)
+    merge_module.generate_card = generate_card
+
+
+# ---------------------------------------------------------------- merge_preflight
+
+
+def _has_run_merge(merge_module) -> bool:
+    import inspect
+
+    function = getattr(merge_module, "run_merge", None)
+    if function is None:
+        return False
+    return list(inspect.signature(function).parameters)[:2] == ["merge_config", "out_path"]
+
+
+def _install_merge_preflight(merge_module) -> None:
+    from mergekit_bmm.plugin import method_names
+    from mergekit_bmm.recipes import preflight
+
+    original = merge_module.run_merge
+
+    @functools.wraps(original)
+    def run_merge(merge_config, out_path, *args, **kwargs):
+        if not preflight.checks_pending():
+            return original(merge_config, out_path, *args, **kwargs)
+        with preflight.discarded_on_failure(out_path):
+            ours = getattr(merge_config, "merge_method", None) in method_names()
+            preflight.check_merge(merge_config, out_path, guard_folder=ours)
+            return original(merge_config, out_path, *args, **kwargs)
+
+    setattr(run_merge, _MARK, True)
+    merge_module.run_merge = run_merge
+
+
+PATCHES = (
+    Patch(
+        "optional_alias_check",
+        "mergekit.plan",
+        "MergePlanner.plan_tensor",
+        optional_alias_bug_present,
+        _install_optional_alias_check,
+    ),
+    Patch(
+        "output_folder",
+        "mergekit.plan",
+        "MergePlanner.plan_to_disk",
+        _has_plan_to_disk,
+        _install_output_folder,
+    ),
+    Patch("plugin_card", "mergekit.merge", "generate_card", _has_generate_card, _install_plugin_card),
+    Patch("merge_preflight", "mergekit.merge", "run_merge", _has_run_merge, _install_merge_preflight),
+)
+
+
+def is_patched(patch: Patch, module: Any) -> bool:
+    return bool(getattr(patch.target(module), _MARK, False))
+
+
+def _apply(patch: Patch, module: Any) -> None:
+    if is_patched(patch, module):
+        return
+    if mergekit_version() not in SUPPORTED_MERGEKIT:
+        LOG.debug("mergekit-bmm: patch %s not applied to mergekit %s", patch.name, mergekit_version())
+        return
+    try:
+        wanted = patch.probe(module)
+    except Exception as error:  # never break mergekit because of a probe
+        LOG.debug("mergekit-bmm: probe of %s failed: %s", patch.name, error)
+        wanted = False
+    if wanted and not is_patched(patch, module):
+        patch.install(module)
+        APPLIED.append(patch.name)
+
+
+def apply_for(module_name: str, module: Any = None) -> None:
+    """Apply the patches of ``module_name``; ``module`` is that module when the caller knows
+    it has just finished executing (the start-up hook), else it is looked up."""
+    module = module if module is not None else _fully_loaded(module_name)
+    if module is None:
+        return
+    for patch in PATCHES:
+        if patch.module == module_name:
+            try:
+                _apply(patch, module)
+            except Exception as error:  # never break mergekit because of the plugin
+                LOG.warning("mergekit-bmm: could not apply patch %s: %s", patch.name, error)
+
+
+def apply_all() -> tuple[str, ...]:
+    """Apply every patch whose module is loaded (idempotent); return the applied names."""
+    for module_name in dict.fromkeys(patch.module for patch in PATCHES):
+        apply_for(module_name)
+    return tuple(APPLIED)

@@ -1,0 +1,147 @@
+"""The ``OUT_PATH`` folder of a search: its files, its lock, and protection of other experiments.
+
+``experiment.json`` records a hash of what defines the experiment (the search config
+except its budget, the template recipe, fingerprints of the input models). Re-running
+with the same definition resumes; a different one is refused unless ``--force``, which
+removes only the files this command writes. A lock file (``filelock``) keeps two
+searches from writing one folder at once.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from mergekit_bmm.io.atomic import atomic_write_json
+from mergekit_bmm.search.errors import OutputFolderError
+
+FORMAT_VERSION = 1
+LOCK_FILE = ".lock"
+
+
+class RunFolder:
+    """Paths inside ``OUT_PATH`` and the rules for (re)using it."""
+
+    OWNED_FILES = (
+        "experiment.json",
+        "search.yml",
+        "template.yml",
+        "trials.jsonl",
+        "summary.json",
+        "best.yml",
+        "anchor.yml",
+        "anchor.json",
+        "errors.log",
+        "convergence.png",
+        "lambdas.png",
+        "proposer.pkl",
+    )
+    OWNED_DIRS = ("trials", "best", "cache", ".work")
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).resolve()
+        self.experiment_json = self.root / "experiment.json"
+        self.search_yml = self.root / "search.yml"
+        self.template_yml = self.root / "template.yml"
+        self.trials_jsonl = self.root / "trials.jsonl"
+        self.summary_json = self.root / "summary.json"
+        self.best_yml = self.root / "best.yml"
+        self.anchor_yml = self.root / "anchor.yml"
+        self.anchor_json = self.root / "anchor.json"
+        self.errors_log = self.root / "errors.log"
+        self.convergence_png = self.root / "convergence.png"
+        self.lambdas_png = self.root / "lambdas.png"
+        self.proposer_pkl = self.root / "proposer.pkl"
+        self.trials_dir = self.root / "trials"
+        self.best_dir = self.root / "best"
+        self.cache_dir = self.root / "cache"
+        self.work_dir = self.root / ".work"
+        self._lock: FileLock | None = None
+
+    def trial_yaml(self, index: int) -> str:
+        """A trial's recipe file, relative to the folder (as the log records it)."""
+        return f"{self.trials_dir.name}/trial-{index:04d}.yml"
+
+    # ----------------------------------------------------------------- locking
+    def lock(self) -> None:
+        """Hold an exclusive lock on the folder until :meth:`unlock`."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(self.root / LOCK_FILE)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise OutputFolderError(
+                f"another mergekit-bmm-search is writing {self.root}; wait for it or use another OUT_PATH"
+            ) from None
+        self._lock = lock
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    # ------------------------------------------------------------ experiments
+    def recorded_hash(self) -> str | None:
+        try:
+            return json.loads(self.experiment_json.read_text(encoding="utf-8")).get("experiment_hash")
+        except (OSError, ValueError):
+            return None
+
+    def has_foreign_content(self) -> bool:
+        """Whether the folder holds files this command did not write."""
+        if not self.root.exists():
+            return False
+        owned = set(self.OWNED_FILES) | set(self.OWNED_DIRS) | {LOCK_FILE}
+        return any(item.name not in owned and not item.name.startswith(".") for item in self.root.iterdir())
+
+    def prepare(self, experiment_hash: str, force: bool, must_exist: bool) -> bool:
+        """Check (and with ``force``, clear) the folder; True when a run is being resumed."""
+        recorded = self.recorded_hash()
+        if must_exist and recorded is None:
+            raise OutputFolderError(
+                f"--resume: {self.root} holds no search to resume (no experiment.json); "
+                "drop --resume to start one"
+            )
+        if recorded == experiment_hash:
+            return True
+        if recorded is not None and not force:
+            raise OutputFolderError(
+                f"{self.root} holds a different experiment (another search config, recipe or models); "
+                "use a new OUT_PATH, or pass --force to replace its search results"
+            )
+        if recorded is None and self.has_foreign_content() and not force:
+            raise OutputFolderError(
+                f"{self.root} already has files that this command did not write; use a new or empty "
+                "OUT_PATH, or pass --force to write the search results next to them"
+            )
+        self.clear_owned()
+        return False
+
+    def clear_owned(self) -> None:
+        """Remove only what this command writes."""
+        for name in self.OWNED_FILES:
+            (self.root / name).unlink(missing_ok=True)
+        for name in self.OWNED_DIRS:
+            shutil.rmtree(self.root / name, ignore_errors=True)
+
+    def record_experiment(self, experiment_hash: str, definition: dict[str, Any]) -> None:
+        atomic_write_json(
+            self.experiment_json,
+            {
+                "format": FORMAT_VERSION,
+                "experiment_hash": experiment_hash,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "definition": definition,
+            },
+        )
+
+    def fresh_work_dir(self) -> Path:
+        """An empty ``.work`` folder for merges in progress."""
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+        self.work_dir.mkdir()
+        return self.work_dir

@@ -1,0 +1,140 @@
+"""Running one trial: its recipe becomes a model, the evaluator scores it.
+
+A trial runs as named *stages* (``merge``, then ``evaluate``), each timed. A stage that
+raises fails the trial: the error becomes one line in the trial's record and its
+traceback goes to ``errors.log``; the search goes on. An error of the user's making
+(:class:`~mergekit_bmm.errors.BMMError`, e.g. a misconfigured evaluator) stops the
+search instead, since every later trial would fail the same way.
+
+:class:`DiskTrials` is the ``trials: disk`` route: mergekit writes the trial's model
+folder and the evaluator loads it.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from mergekit_bmm.errors import find_bmm_error
+from mergekit_bmm.recipes import run as recipe_run
+from mergekit_bmm.search.trial_recipes import text_sha256
+
+
+@dataclass(frozen=True)
+class PlannedTrial:
+    """A proposed point with its recipe, before it runs."""
+
+    index: int
+    values: dict[str, float]
+    text: str  # the recipe (YAML)
+    yaml: str  # where the recipe is written, relative to OUT_PATH
+
+    @property
+    def sha256(self) -> str:
+        return text_sha256(self.text)
+
+
+@dataclass
+class TrialOutcome:
+    """What running a trial gave: per-task scores, or the error that stopped it (and its traceback,
+    which the search writes to ``errors.log``)."""
+
+    per_task: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    times: dict[str, float] = field(default_factory=dict)
+    traceback: str | None = None
+
+
+class TrialRunner(Protocol):
+    """Turns a planned trial into an outcome (disk, resident, or a worker pool)."""
+
+    def run(self, trial: PlannedTrial) -> TrialOutcome: ...
+
+    def close(self) -> None: ...
+
+
+def one_line(error: BaseException, limit: int = 400) -> str:
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ErrorLog:
+    """``errors.log``: full tracebacks of failed trials, appended (by the search's driver only)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def write(self, where: str, error: BaseException) -> None:
+        self.write_text(where, "".join(traceback.format_exception(type(error), error, error.__traceback__)))
+
+    def write_text(self, where: str, text: str) -> None:
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(f"--- {where} ({time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+            handle.write(text if text.endswith("\n") else text + "\n")
+
+
+def run_stages(label: str, stages: Sequence[tuple[str, Callable[[], Any]]]) -> TrialOutcome:
+    """Run ``stages`` in order, timing each; the last one returns the per-task scores."""
+    clock = time.perf_counter
+    outcome = TrialOutcome(times={name: 0.0 for name, _ in stages})
+    result: Any = None
+    for name, stage in stages:
+        tick = clock()
+        try:
+            result = stage()
+        except Exception as caught:
+            ours = find_bmm_error(caught)
+            if ours is not None:
+                raise ours from None
+            outcome.times[name] = clock() - tick
+            outcome.error = f"{name}: {one_line(caught)}"
+            outcome.traceback = f"{label} ({name})\n" + "".join(
+                traceback.format_exception(type(caught), caught, caught.__traceback__)
+            )
+            return outcome
+        outcome.times[name] = clock() - tick
+    outcome.per_task = dict(result)
+    return outcome
+
+
+def score_of(per_task: Mapping[str, float], weights: Mapping[str, float]) -> tuple[float | None, str | None]:
+    """The trial's score (the weighted mean over tasks, paper eq. 10), or why there is none."""
+    from mergekit_bmm.evaluation import weighted_mean
+
+    score = weighted_mean(dict(per_task), dict(weights))
+    if math.isfinite(score):
+        return score, None
+    bad = [task for task, value in per_task.items() if not math.isfinite(value)] or ["the mean"]
+    return None, f"evaluate: non-finite score for {', '.join(bad)}"
+
+
+class DiskTrials:
+    """``trials: disk``: mergekit writes each trial's model folder; the evaluator loads it."""
+
+    def __init__(self, evaluator: Any, work_dir: Path, options: Any) -> None:
+        self.evaluator = evaluator
+        self.work_dir = Path(work_dir)
+        self.options = options
+
+    def run(self, trial: PlannedTrial) -> TrialOutcome:
+        folder = self.work_dir / f"trial-{trial.index:04d}"
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            return run_stages(
+                f"trial {trial.index}",
+                [
+                    ("merge", lambda: recipe_run.merge_recipe_text(trial.text, folder, self.options)),
+                    ("evaluate", lambda: self.evaluator.evaluate(folder)),
+                ],
+            )
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def close(self) -> None:
+        pass

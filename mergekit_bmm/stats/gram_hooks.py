@@ -1,0 +1,171 @@
+"""Streaming activation Grams of a model's body linear modules, via forward pre-hooks.
+
+Which modules: every ``nn.Linear`` or GPT-2 ``Conv1D`` whose ``<name>.weight`` the
+module map classifies (:func:`mergekit_bmm.core.module_map.classify`, the one source of
+truth); the Gram is over the module's *input*, so it is ``in × in`` whatever the
+storage layout. Each forward adds ``Σ x xᵀ`` over the non-padding tokens (attention
+mask) in float64, ``rows`` at a time, so activations are never held beyond the batch
+being processed.
+
+Modules that read the same input tensor (q/k/v; gate/up) share one Gram: a module whose
+input *is* (the same tensor object as) the input of the module called just before it
+is recorded as sharing that module's Gram and adds nothing itself. The previous input
+is held by reference, so an address cannot be reused by another tensor and mistaken
+for a shared input; sharing that is not consecutive is simply not deduplicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from mergekit_bmm.core.module_map import classify
+from mergekit_bmm.errors import StatisticsError
+
+ROWS_PER_UPDATE = 4096
+
+
+def _conv1d_type() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    return Conv1D
+
+
+def body_linear_modules(model: nn.Module, model_type: str | None) -> dict[str, tuple[nn.Module, int]]:
+    """``{weight name: (module, d_in)}`` for the 2D body modules BMM solves."""
+    conv1d = _conv1d_type()
+    found: dict[str, tuple[nn.Module, int]] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+            continue
+        if isinstance(module, nn.Linear):
+            d_in = weight.shape[1]
+        elif conv1d is not None and isinstance(module, conv1d):
+            d_in = weight.shape[0]  # Conv1D stores (in, out)
+        else:
+            continue
+        weight_name = f"{name}.weight"
+        if classify(weight_name, model_type) is not None:
+            found[weight_name] = (module, d_in)
+    return found
+
+
+class GramCollector:
+    """Accumulates ``Σ x xᵀ`` per distinct module input while registered on a model.
+
+    Use as a context manager around the forward passes, and call :meth:`batch` with
+    each batch's attention mask around its forward.
+    """
+
+    def __init__(self, model: nn.Module, model_type: str | None, dtype: torch.dtype = torch.float64):
+        self.targets = body_linear_modules(model, model_type)
+        if not self.targets:
+            raise StatisticsError(
+                f"found no linear body modules in this {model_type or 'unknown'} model that the module "
+                "map knows; statistics cannot be collected for it"
+            )
+        self.dtype = dtype
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        self.shared: dict[str, str] = {}
+        self._mask: torch.Tensor | None = None
+        self._previous: tuple[torch.Tensor, str] | None = None
+        self._handles: list = []
+
+    def __enter__(self) -> GramCollector:
+        for weight_name, (module, d_in) in self.targets.items():
+            handle = module.register_forward_pre_hook(self._hook(weight_name, d_in), with_kwargs=True)
+            self._handles.append(handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._previous = None
+
+    @contextmanager
+    def batch(self, attention_mask: torch.Tensor) -> Iterator[None]:
+        """Count the tokens where ``attention_mask`` is set during one forward."""
+        self._mask = attention_mask.bool()
+        try:
+            yield
+        finally:
+            self._mask = None
+            self._previous = None
+
+    def _hook(self, weight_name: str, d_in: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            inputs = args[0] if args else next(iter(kwargs.values()))
+            previous = self._previous
+            key = previous[1] if previous is not None and previous[0] is inputs else weight_name
+            known = self.shared.setdefault(weight_name, key)
+            if known != key:
+                raise StatisticsError(
+                    f"{weight_name} shared its input with {known} in one batch and with {key} in another; "
+                    "this model's modules cannot be collected with shared Grams"
+                )
+            if key == weight_name:
+                self._previous = (inputs, weight_name)
+                self._accumulate(weight_name, inputs, d_in)
+
+        return hook
+
+    def _token_rows(self, weight_name: str, inputs: torch.Tensor) -> torch.Tensor:
+        mask = self._mask
+        if mask is None:
+            raise StatisticsError("GramCollector: run forwards inside collector.batch(attention_mask)")
+        if inputs.ndim == 3 and inputs.shape[:2] == mask.shape:
+            return inputs[mask]
+        if inputs.ndim == 2 and inputs.shape[0] == mask.numel():
+            return inputs[mask.reshape(-1)]
+        raise StatisticsError(
+            f"{weight_name} received input of shape {tuple(inputs.shape)}, which does not line up with "
+            f"the attention mask {tuple(mask.shape)}; padding tokens cannot be left out for this module"
+        )
+
+    def _accumulate(self, weight_name: str, inputs: torch.Tensor, d_in: int) -> None:
+        if inputs.shape[-1] != d_in:
+            raise StatisticsError(
+                f"{weight_name} received inputs of size {inputs.shape[-1]} but its weight has {d_in} inputs"
+            )
+        rows = self._token_rows(weight_name, inputs.detach())
+        total = self.sums.get(weight_name)
+        if total is None:
+            total = torch.zeros(d_in, d_in, dtype=self.dtype, device=rows.device)
+            self.sums[weight_name] = total
+            self.counts[weight_name] = 0
+        for start in range(0, rows.shape[0], ROWS_PER_UPDATE):
+            chunk = rows[start : start + ROWS_PER_UPDATE].to(self.dtype)
+            total.addmm_(chunk.T, chunk)
+        self.counts[weight_name] += rows.shape[0]
+
+    def mean_grams(self) -> dict[str, torch.Tensor]:
+        """Stored key → mean Gram ``Σ x xᵀ / tokens`` (float32, CPU)."""
+        grams = {}
+        for key, total in self.sums.items():
+            count = self.counts[key]
+            if count == 0:
+                raise StatisticsError(f"{key} saw no tokens; the calibration data is empty after padding")
+            mean = total / count
+            if not bool(torch.isfinite(mean).all()):
+                raise StatisticsError(
+                    f"the Gram of {key} contains NaN or Inf (activations overflowed); "
+                    "collect with `dtype: float32` in stats.yml"
+                )
+            grams[key] = mean.to(torch.float32).cpu()
+        return grams
+
+    def modules(self) -> dict[str, str]:
+        """Every weight name that saw input → the key of the Gram that serves it."""
+        return dict(sorted(self.shared.items()))
+
+    def unseen(self) -> list[str]:
+        """Target modules that no forward reached (they get no Gram)."""
+        return sorted(set(self.targets) - set(self.shared))

@@ -1,0 +1,50 @@
+"""The package's shape: the mathematics works without mergekit; docs links resolve."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_math_imports_and_runs_where_mergekit_cannot_be_imported():
+    code = """
+import sys
+sys.modules["mergekit"] = None  # any `import mergekit...` now raises ImportError
+import torch
+from mergekit_bmm.core import closed_form, module_map
+from mergekit_bmm import anchors
+from mergekit_bmm.anchors import iso, regmean, tsv, wudi
+vectors = [torch.randn(6, 5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+merged = closed_form.merge_matrix(closed_form.data_free_equations(vectors), torch.zeros(6, 5), 0.1)
+print(tuple(merged.shape), module_map.classify("model.layers.0.mlp.down_proj.weight").group.value,
+      tuple(tsv.tsv_merge(vectors).shape), sorted(m for m in sys.modules if m.startswith("mergekit.")))
+"""
+    env = {**os.environ, "MERGEKIT_BMM_NO_AUTOLOAD": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["(6,", "5)", "mlp_out", "(6,", "5)", "[]"]
+
+
+def _relative_links(markdown: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", markdown.read_text(encoding="utf-8"), flags=re.S)
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [link for link in links if not re.match(r"^[a-z]+:", link) and not link.startswith("#")]
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
+    broken = []
+    for page in pages:
+        if not page.exists():
+            broken.append(f"{page.relative_to(ROOT)} is missing")
+            continue
+        for link in _relative_links(page):
+            target = (page.parent / link.split("#", 1)[0]).resolve()
+            if not target.exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {link}")
+    assert not broken, broken

@@ -1,0 +1,167 @@
+"""Parallel searches: local worker processes and a real Ray cluster, batches, lost workers, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mergekit_bmm.search import SearchOptions, parse_search_config, run_search
+from mergekit_bmm.search.log import read_trials
+
+pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).parent
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
+
+    return make_tiny_family(tmp_path_factory.mktemp("parallel"), "llama", n_experts=3, hidden=16, layers=2)
+
+
+def config_dict(
+    family, function: str = "per_task_scores", workers: int = 2, backend: str = "local", **fields
+):
+    return {
+        "recipe": {
+            "merge_method": "bmm",
+            "base_model": str(family.base),
+            "models": [{"model": str(p), "parameters": {"weight": 0.3}} for p in family.experts],
+            "parameters": {"anchor_method": "task_arithmetic"},
+            "dtype": "float32",
+        },
+        "blocks": 1,
+        "evaluator": {
+            "type": "python",
+            "callable": f"search_objectives:{function}",
+            "python_path": [str(TESTS)],
+            "args": fields.pop("args", {}),
+        },
+        "parallel": {"workers": workers, "backend": backend},
+        **fields,
+    }
+
+
+def search(family, out: Path, **fields):
+    config = parse_search_config(config_dict(family, **fields), TESTS)
+    return run_search(config, out, SearchOptions(progress=False, device="cpu", plots=False, skip_best=True))
+
+
+def by_point(records):
+    return {json.dumps(r.values, sort_keys=True): r.per_task for r in records}
+
+
+def test_local_workers_score_points_as_the_serial_search_does(family, tmp_path):
+    """random proposes the same points whatever the batch size: the scores must match one for one."""
+    parallel = search(family, tmp_path / "parallel", strategy="random", budget=6)
+    serial = search(family, tmp_path / "serial", strategy="random", budget=6, workers=1)
+    assert [r.values for r in parallel.records] == [r.values for r in serial.records]
+    assert by_point(parallel.records) == by_point(serial.records)
+    assert {r.worker for r in parallel.records} == {"w0", "w1"}
+    assert {r.batch_size for r in parallel.records} == {2} and parallel.summary.workers == 2
+    assert parallel.summary.trials == "memory"
+
+
+def test_batched_bo_is_reproducible_and_resumes_an_open_batch(family, tmp_path):
+    """Constant-liar batches are told in trial order: the same seed gives the same points, whatever
+    order trials finish in; a batch cut short (a trial in flight when the run died) is completed."""
+    first = search(family, tmp_path / "a", strategy="bo", budget=6, n_initial=2)
+    second = search(family, tmp_path / "b", strategy="bo", budget=6, n_initial=2)
+    assert [r.values for r in first.records] == [r.values for r in second.records]
+
+    log = tmp_path / "b" / "trials.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    dropped = next(line for line in lines if json.loads(line).get("trial") == 4)
+    log.write_text("".join(line for line in lines if line is not dropped))  # trial 4 "was in flight"
+    resumed = search(family, tmp_path / "b", strategy="bo", budget=6, n_initial=2)
+    records, _ = read_trials(log)
+    assert [r.trial for r in records] == list(range(6))
+    assert [r.values for r in records] == [r.values for r in first.records]
+    assert [r.per_task for r in records] == [r.per_task for r in first.records]
+    assert resumed.replayed == 4
+
+
+def test_a_killed_local_worker_loses_no_trial(family, tmp_path):
+    marker = tmp_path / "killed"
+    search(
+        family, tmp_path / "out", strategy="random", budget=6, function="kills_its_worker_once",
+        args={"marker": str(marker)},
+    )  # fmt: skip
+    assert marker.exists()  # a worker really died mid-trial
+    records, _ = read_trials(tmp_path / "out" / "trials.jsonl")
+    assert [r.trial for r in records] == list(range(6)) and all(r.ok for r in records)
+    reference = search(family, tmp_path / "reference", strategy="random", budget=6, workers=1)
+    assert [r.per_task for r in records] == [r.per_task for r in reference.records]
+
+
+def test_ctrl_c_stops_the_search_and_its_workers(family, tmp_path):
+    search_file = tmp_path / "search.yml"
+    raw = config_dict(family, "sleeps", strategy="random", budget=8, args={"seconds": 30})
+    search_file.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    driver = subprocess.Popen(
+        [str(BIN / "mergekit-bmm-search"), str(search_file), str(out), "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and not (out / "trials" / "trial-0001.yml").exists():
+        time.sleep(0.5)
+    assert (out / "trials" / "trial-0001.yml").exists(), driver.stderr.read() if driver.poll() else ""
+    workers = _worker_pids()
+    assert len(workers) == 2
+    driver.send_signal(signal.SIGINT)
+    _, stderr = driver.communicate(timeout=120)
+    assert driver.returncode == 130, stderr[-2000:]
+    assert "Run the same command again to resume" in stderr
+    time.sleep(1)
+    assert not (set(_worker_pids()) & set(workers))
+    assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
+
+
+def _worker_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "mergekit_bmm.search.workers import main" in command:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_actors_score_points_as_the_serial_search_does_and_survive_a_kill(family, tmp_path, ray_cluster):
+    marker = tmp_path / "killed"
+    result = search(
+        family, tmp_path / "ray", strategy="random", budget=6, backend="ray",
+        function="kills_its_worker_once", args={"marker": str(marker)},
+    )  # fmt: skip
+    assert marker.exists()  # an actor's process really died mid-trial
+    records, _ = read_trials(tmp_path / "ray" / "trials.jsonl")
+    assert [r.trial for r in records] == list(range(6)) and all(r.ok for r in records)
+    assert {r.worker for r in records} == {"a0", "a1"} and result.summary.workers == 2
+    serial = search(family, tmp_path / "serial", strategy="random", budget=6, workers=1)
+    assert [r.values for r in records] == [r.values for r in serial.records]
+    assert [r.per_task for r in records] == [r.per_task for r in serial.records]
