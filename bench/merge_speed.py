@@ -9,7 +9,8 @@ experts = base + a rank-8 update + noise on every body weight):
 * the GEMM floors measured in this run: the data-free closed form's bare products
   (Grams, cross terms, Cholesky and its solves, float32) for every solved weight, and the
   fill's (the same Grams, a float64 eigendecomposition and the two float64 products);
-* depth: peak memory of bmm over TA at 4 and 16 layers of the same width;
+* depth: peak memory (RSS and private) of TA, bmm over TA, and bmm with small output shards
+  at 4 and 16 layers of the same width (`--only-depth` runs just this table);
 * width: one layer at hidden 2048 / intermediate 5632;
 * on a machine with a GPU, the per-module closed form at Llama-3-8B shapes (T = 3 and 8).
 
@@ -28,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -102,10 +104,38 @@ def child(spec: dict) -> dict:
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    options = merge_options(None, quiet=True, write_model_card=False, copy_tokenizer=False)
+    options = merge_options(
+        None, quiet=True, write_model_card=False, copy_tokenizer=False, out_shard_size=spec.get("shard_bytes")
+    )
+    private = PeakSampler("RssAnon")
     started = time.perf_counter()
     merge_recipe_text(yaml_text(spec["recipe"]), spec["out"], options)
-    return {"seconds": time.perf_counter() - started, "peak_rss_mib": status_mib("VmHWM")}
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "peak_rss_mib": status_mib("VmHWM"), "peak_private_mib": private.stop()}
+
+
+class PeakSampler:
+    """The peak of one /proc/self/status field, sampled every 10 ms on a thread.
+
+    The kernel keeps a peak only for the whole RSS (VmHWM), which also counts the pages of the
+    memory-mapped input checkpoints: those are file-backed and grow with the inputs read, so
+    private (anonymous) memory is what says whether a merge holds more as the model deepens.
+    """
+
+    def __init__(self, field: str) -> None:
+        self.field, self.peak, self._running = field, status_mib(field), True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while self._running:
+            self.peak = max(self.peak, status_mib(self.field))
+            time.sleep(0.01)
+
+    def stop(self) -> float:
+        self._running = False
+        self._thread.join()
+        return max(self.peak, status_mib(self.field))
 
 
 def run_child(spec: dict) -> dict:
@@ -184,10 +214,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only-depth", action="store_true", help="only the depth table (memory, no timing)")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
         print(json.dumps(child(json.loads(args.child.read_text()))))
+        return
+    if args.only_depth:
+        with tempfile.TemporaryDirectory(prefix="bmm-speed-") as scratch:
+            print(depth_report(depth_runs(args.models, Path(scratch))))
         return
     family = smollm2_family(args.models)
     label = "SmolLM2-135M-Instruct"
@@ -224,12 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         rows["cached trial (new λ and s)"] = timed("cached trial", trial_spec, args.repeats)
         one_shot = statistics.median(closed_form_floor(shapes, 3) for _ in range(args.repeats))
         fill_floor = statistics.median(closed_form_floor(shapes, 3, fill=True) for _ in range(args.repeats))
-        depth = {}
-        for layers in (4, 16):
-            deep = ensure_llama_family(args.models, 576, 1536, layers, 3, heads=9, kv_heads=3)
-            spec = {"recipe": recipe(deep, "bmm", "task_arithmetic"), "out": out(f"depth{layers}", 0)}
-            print(f"  depth {layers} layers ...", flush=True)
-            depth[layers] = run_child(spec)
+        depth = depth_runs(args.models, scratch)
         wide = ensure_llama_family(args.models, 2048, 5632, 1, 3, heads=16, kv_heads=4)
         print("  one wide layer ...", flush=True)
         wide_run = run_child({"recipe": recipe(wide, "bmm", "task_arithmetic"), "out": out("wide", 0)})
@@ -260,12 +290,52 @@ def report(label, rows, one_shot, fill_floor, depth, wide_run, wide_floor) -> st
         f"target {ties + 1.5 * one_shot:.1f} s)",
         f"cache fill    = {fill / bmm_ta:.2f} x the uncached bmm merge (target <= 2); "
         f"its floor alone is {fill_floor / one_shot:.2f} x the one-shot floor",
-        f"depth: bmm over TA at 4 layers {depth[4]['peak_rss_mib']:.0f} MiB, at 16 layers "
-        f"{depth[16]['peak_rss_mib']:.0f} MiB "
-        f"(ratio {depth[16]['peak_rss_mib'] / depth[4]['peak_rss_mib']:.3f}; target < 1.10)",
+        depth_report(depth),
         f"width: one layer at hidden 2048 / intermediate 5632: {wide_run['seconds']:.2f} s "
         f"(floor {wide_floor:.2f} s), peak {wide_run['peak_rss_mib']:.0f} MiB",
     ]
+    return "\n".join(lines)
+
+
+# -- depth --------------------------------------------------------------------------------
+DEPTH_LAYERS = (4, 16)
+SMALL_SHARDS = 50_000_000  # bytes: mergekit's default (5 GB) holds a small model's whole output in RAM
+
+
+def depth_runs(models: Path, scratch: Path) -> dict[str, dict[int, dict]]:
+    """Peak memory at 4 and 16 layers of the same width: TA and bmm over TA, and bmm with small
+    output shards (mergekit buffers each shard in memory until it is full)."""
+    runs: dict[str, dict[int, dict]] = {}
+    for layers in DEPTH_LAYERS:
+        deep = ensure_llama_family(models, 576, 1536, layers, 3, heads=9, kv_heads=3)
+        for name, spec in (
+            ("task_arithmetic", {"recipe": recipe(deep, "task_arithmetic")}),
+            ("bmm over TA", {"recipe": recipe(deep, "bmm", "task_arithmetic")}),
+            ("bmm over TA, 50 MB shards", {"recipe": recipe(deep, "bmm", "task_arithmetic"),
+                                           "shard_bytes": SMALL_SHARDS}),
+        ):  # fmt: skip
+            print(f"  depth {layers} layers: {name} ...", flush=True)
+            out = str(scratch / f"depth-{layers}-{len(runs.get(name, {}))}-{name.replace(' ', '_')}")
+            runs.setdefault(name, {})[layers] = run_child({**spec, "out": out})
+    return runs
+
+
+def depth_report(runs: dict[str, dict[int, dict]]) -> str:
+    low, high = DEPTH_LAYERS
+    lines = [
+        "",
+        f"depth (peak MiB)                          {low} layers  {high} layers  ratio   (target < 1.10)",
+        "-" * 88,
+    ]
+    for name, by_layers in runs.items():
+        for field, kind in (("peak_rss_mib", "RSS"), ("peak_private_mib", "private")):
+            a, b = by_layers[low][field], by_layers[high][field]
+            lines.append(f"{name + ', ' + kind:<40} {a:>9.0f} {b:>10.0f} {b / a:>7.3f}")
+    own = [runs["bmm over TA"][n]["peak_private_mib"] - runs["task_arithmetic"][n]["peak_private_mib"]
+           for n in DEPTH_LAYERS]  # fmt: skip
+    lines.append(
+        f"bmm's own private memory over TA's: {own[0]:.0f} MiB at {low} layers, {own[1]:.0f} MiB at {high}"
+    )
     return "\n".join(lines)
 
 
