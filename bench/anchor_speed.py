@@ -89,7 +89,8 @@ def _status_kb(field: str) -> int:
     return 0
 
 
-def _merge_in_child(connection, config: dict, out_dir: str) -> None:
+def _merge_in_child(connection, config: dict, out_dir: str, threads: int) -> None:
+    torch.set_num_threads(threads)
     from mergekit.config import MergeConfiguration
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
@@ -111,11 +112,15 @@ def _merge_in_child(connection, config: dict, out_dir: str) -> None:
         connection.close()
 
 
-def measure(config: dict, out_dir: Path) -> tuple[float, float]:
-    """(seconds, peak RSS growth in MiB) of one merge in a forked process."""
+def measure(config: dict, out_dir: Path, threads: int) -> tuple[float, float]:
+    """(seconds, peak RSS growth in MiB) of one merge in a forked process on ``threads`` threads.
+
+    The parent runs torch on one thread only: a forked child of a process whose OpenMP pool
+    has started can hang in its first parallel region (GNU OpenMP is not fork-safe).
+    """
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=_merge_in_child, args=(send, config, str(out_dir)))
+    process = context.Process(target=_merge_in_child, args=(send, config, str(out_dir), threads))
     process.start()
     send.close()
     status, value, memory = receive.recv()
@@ -139,43 +144,6 @@ def warm_up() -> None:
     tsv_merge(vectors)
     iso_cts_merge(vectors)
     regmean_merge(vectors, [torch.eye(6)] * 2)
-
-
-def write_statistics(stats_dir: Path, family, seed: int = 0) -> Path:
-    from mergekit_bmm import __version__
-    from mergekit_bmm.core.module_map import classify
-    from mergekit_bmm.io.checkpoint import load_state_dict
-    from mergekit_bmm.io.fingerprint import model_fingerprint
-    from mergekit_bmm.stats.store import GRAM_DIR, StatsManifest, TaskStats, write_grams, write_manifest
-
-    generator = torch.Generator().manual_seed(seed)
-    weights = load_state_dict(family.base)
-    tasks = []
-    modules = {}
-    for index, expert in enumerate(family.experts):
-        grams = {}
-        for name, tensor in weights.items():
-            info = classify(name, family.architecture) if tensor.ndim == 2 else None
-            if info is None:
-                continue
-            size = tensor.shape[0] if info.stored_in_out else tensor.shape[1]
-            x = torch.randn(4 * size, size, generator=generator)
-            grams[name] = x.T @ x / x.shape[0]
-            modules[name] = name
-        file = f"task{index}.safetensors"
-        write_grams(stats_dir / GRAM_DIR / file, grams)
-        tasks.append(
-            TaskStats(
-                name=f"task{index}",
-                model=str(expert),
-                fingerprint=model_fingerprint(expert),
-                file=file,
-                samples=0,
-                tokens=0,
-            )
-        )
-    write_manifest(stats_dir, StatsManifest(package_version=__version__, tasks=tasks, modules=modules))
-    return stats_dir
 
 
 def table(rows: list[dict]) -> str:
@@ -228,17 +196,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
+    from mergekit_bmm.examples.synthetic_stats import stats_for_family
     from mergekit_bmm.examples.tiny_models import make_tiny_family
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(1)  # the merges run on ``threads`` in their own processes (see measure)
     warm_up()
     with tempfile.TemporaryDirectory(prefix="bench-anchors-") as scratch:
         work = Path(scratch)
         family = make_tiny_family(
             work / "models", args.architecture, n_experts=args.experts, hidden=args.hidden, layers=args.layers
         )
-        stats_dir = write_statistics(work / "stats", family)
+        stats_dir, _ = stats_for_family(work / "stats", family)
         selected = cases(stats_dir)
         if args.only:
             unknown = sorted(set(args.only) - set(selected))
@@ -248,14 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         anchors = {}
         if any("anchor_input" in fragment for fragment in selected.values()):
             anchors["wudi"] = work / "wudi-anchor"
-            measure(recipe(family, standalone("wudi"), {}), anchors["wudi"])
+            measure(recipe(family, standalone("wudi"), {}), anchors["wudi"], threads)
         rows = []
         progress = tqdm(total=len(selected) * args.repeats, desc="merges", file=sys.stderr)
         for label, fragment in selected.items():
             config = recipe(family, fragment, anchors)
             times, peaks = [], []
             for repeat in range(args.repeats):
-                seconds, peak = measure(config, work / "out" / f"{len(rows)}-{repeat}")
+                seconds, peak = measure(config, work / "out" / f"{len(rows)}-{repeat}", threads)
                 times.append(seconds)
                 peaks.append(peak)
                 progress.update()
@@ -264,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"{args.architecture}, hidden {args.hidden}, {args.layers} layers, {args.experts} experts, "
-        f"float32, {torch.get_num_threads()} torch threads, median of {args.repeats}"
+        f"float32, {threads} torch threads, median of {args.repeats}"
     )
     print(table(rows))
     if args.out:

@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import reference_solve, relative_error
 from mergekit.merge_methods.api import merge_tensors
-from synthetic_stats import random_gram, write_stats
 
 from mergekit_bmm.anchors import iso_c_merge, iso_cts_merge, regmean_merge, tsv_merge, wudi_merge
 from mergekit_bmm.errors import BMMError, ConfigError, StatisticsError, TensorInputError
+from mergekit_bmm.examples.synthetic_stats import random_gram, write_stats
 
 NAME = "model.layers.1.mlp.down_proj.weight"
 IDS = ("/nonexistent/base", *(f"/nonexistent/expert-{letter}" for letter in "abcdefgh"))

@@ -1,7 +1,7 @@
 """Statistics directories with made-up Grams, written with the real store format.
 
-Tests of methods that read activation statistics (``regmean``, data-assisted ``bmm``) need
-Grams for given experts without running a calibration pass.
+Tests and benchmarks of methods that read activation statistics (``regmean``, data-assisted
+``bmm``) need Grams for given experts without running a calibration pass.
 """
 
 from __future__ import annotations
@@ -53,14 +53,15 @@ def input_size(name: str, tensor: torch.Tensor, stored_in_out: bool) -> int:
 
 
 def stats_for_family(stats_dir: Path, family, seed: int = 0) -> tuple[Path, dict[str, list[torch.Tensor]]]:
-    """Random Grams for every body weight of a tiny family's experts."""
-    from conftest import load_weights
-
+    """Random Grams for every body weight of a family's experts (``family``: ``base``,
+    ``experts``, ``architecture``, as :func:`~mergekit_bmm.examples.tiny_models.make_tiny_family`
+    returns)."""
     from mergekit_bmm.core.module_map import classify
+    from mergekit_bmm.io.checkpoint import load_state_dict
 
     generator = torch.Generator().manual_seed(seed)
     grams: dict[str, list[torch.Tensor]] = {}
-    for name, tensor in load_weights(family.base).items():
+    for name, tensor in load_state_dict(family.base).items():
         info = classify(name, family.architecture) if tensor.ndim == 2 else None
         if info is None:
             continue
