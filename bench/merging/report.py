@@ -524,14 +524,15 @@ def write(results: dict[str, Any], folder: Path) -> None:
         text += ["## Anchors and BMM (Table 1 in kind)", "", table1(results), ""]
         if panels:
             text += ["![per-task test accuracy per anchor](per_anchor.png)", ""]
-        if results.get("sweeps"):
-            text += [
-                "## Sweeps: validation along one λ group or s at a time",
-                "",
-                "![sweeps](sweeps.png)",
-                "",
-                sweeps_markdown(results),
-            ]
+    if results.get("sweeps"):  # a run stopped after the sweeps has them but no BMM rows yet
+        text += [
+            "## Sweeps: validation along one λ group or s at a time",
+            "",
+            "![sweeps](sweeps.png)",
+            "",
+            sweeps_markdown(results),
+        ]
+    if any(r["setting"] != "anchor" for r in results["rows"]):
         if results.get("ablation"):
             text += ["## Search strategy ablation (Table 3 in kind)", "", ablation_table(results), ""]
         if results.get("bmm_runtime"):
