@@ -305,6 +305,15 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
         estimate, low, high = row["ci"]  # from the per-example scores: the same mean as the table's
         assert abs(estimate - row["avg"]) < 1e-3 and low <= estimate <= high
         assert row["delta"][1] <= row["delta"][0] <= row["delta"][2]
+    summary = {(cell["anchor"], cell["mode"]): cell for cell in results["summary"]}
+    assert set(summary) == {("task_arithmetic", "data_free"), ("task_arithmetic", "data_assisted")}
+    for (anchor, mode), cell in summary.items():  # what a user reads off: scores, Δ, its interval
+        assert cell["anchor_score"] == pytest.approx(cells[(anchor, "anchor")]["avg"], abs=1e-3)
+        assert cell["bmm_score"] == pytest.approx(cells[(anchor, mode)]["avg"], abs=1e-3)
+        assert cell["delta_low"] <= cell["delta"] <= cell["delta_high"]
+        assert cell["best_anchor"] in ("task_arithmetic", "tsv") and "delta_best_anchor" in cell
+    assert results["verdict"]["data_free"]["anchors"] == 1
+    assert set(results["range"]) >= {"experts_minus_pretrained", "experts_minus_task_arithmetic"}
     estimate, low, high = cells[("task_arithmetic", "anchor")]["ci"]
     assert abs(estimate - cells[("task_arithmetic", "anchor")]["avg"]) < 1e-3 and low <= estimate <= high
     sweeps = results["sweeps"]["settings"]

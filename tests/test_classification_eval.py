@@ -68,12 +68,34 @@ def test_task_logits_match_unbatched_float64_reference(tiny_encoder, tmp_path, p
     assert accuracy(logits, labels) == float((expected.argmax(-1) == labels).double().mean())
 
 
+def test_l2_head_scores_scaled_cosines_against_float64_reference(tiny_encoder, tmp_path):
+    """A zero-shot head: unit class embeddings times a scale, applied to unit pooled states."""
+    model, tokenizer = tiny_encoder
+    generator = torch.Generator().manual_seed(1)
+    embeddings = torch.nn.functional.normalize(torch.randn(3, 32, generator=generator), dim=-1)
+    head = save_head(
+        tmp_path / "zs.safetensors", 20 * embeddings, torch.zeros(3), ["a", "b", "c"], normalize="l2"
+    )
+    assert load_head(head).normalize == "l2"
+    task = {"name": "t", "head": str(head), "data": str(write_task(tmp_path, [0, 1, 2, 1]))}
+    logits, _ = task_logits(model, tokenizer, task, max_length=8, batch_size=3)
+    pooled = reference_logits(model, tokenizer, TEXTS, torch.eye(32), torch.zeros(32), 8, "mean")
+    expected = 20 * torch.nn.functional.cosine_similarity(
+        pooled.unsqueeze(1), embeddings.double().unsqueeze(0), dim=-1
+    )
+    assert relative_error(logits, expected) < 1e-5
+    assert logits.abs().max() <= 20 + 1e-4
+    with pytest.raises(ConfigError, match="normalize"):
+        save_head(tmp_path / "bad.safetensors", embeddings, torch.zeros(3), ["a", "b", "c"], normalize="l1")
+
+
 def test_head_round_trip_and_metadata(tmp_path):
     path = save_head(
         tmp_path / "h.safetensors", torch.ones(2, 4, dtype=torch.float64), torch.zeros(2), ["x", "y"]
     )
     head = load_head(path)
     assert head.weight.dtype == torch.float32 and head.labels == ("x", "y") and head.pooling == "mean"
+    assert head.normalize == "none"  # heads written before `normalize` existed read the same way
     with pytest.raises(ConfigError, match="one label per class"):
         save_head(tmp_path / "bad.safetensors", torch.ones(2, 4), torch.zeros(2), ["only-one"])
     with pytest.raises(ConfigError, match="cannot read classification head"):

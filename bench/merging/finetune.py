@@ -4,7 +4,8 @@ Freezing the head (fitted on pretrained features) keeps every expert's output sp
 same as the pretrained encoder's, so one fixed head per task scores the pretrained
 encoder, the expert and every merge alike — the paper's vision-track protocol.
 
-Training is deterministic: a fixed step budget, seeded data order and dropout, a fixed
+Training is deterministic: a fixed step budget (or early stopping on the task's held-out
+``head`` split, keeping the best-scoring step), seeded data order and dropout, a fixed
 thread count and ``torch.use_deterministic_algorithms``; an interrupted build resumes
 from its last checkpoint (:mod:`bench.merging.training`). The expert is saved as an HF
 folder (safetensors + config + tokenizer) that mergekit reads directly.
@@ -24,9 +25,10 @@ import torch.nn.functional as F
 
 from bench.merging.cache import Stage, model_folder_fingerprint
 from bench.merging.config import FinetuneSpec
-from bench.merging.tasks import TaskData
+from bench.merging.tasks import HEAD_SPLIT, TaskData
 from bench.merging.training import batch_order, summary, train_loop
-from mergekit_bmm.evaluation.classification import load_head, pool
+from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.evaluation.classification import load_head, pool, pooled_features
 
 
 @contextlib.contextmanager
@@ -55,8 +57,12 @@ def train_encoder(
     progress: str | None = None,
     checkpoint_every: int = 25,
     on_step=None,
+    held_out: tuple[list[str], list[int]] | None = None,
 ) -> dict[str, Any]:
-    """Fine-tune (resuming from a checkpoint in ``out_dir``), save to ``out_dir``; return the record."""
+    """Fine-tune (resuming from a checkpoint in ``out_dir``), save to ``out_dir``; return the record.
+
+    ``held_out`` (texts, labels) is scored every ``spec.eval_every`` steps for early stopping.
+    """
     from transformers import AutoModel, AutoTokenizer
 
     head = load_head(head_file)
@@ -84,8 +90,16 @@ def train_encoder(
             loss = F.cross_entropy(logits, batch_targets)
             return loss, int((logits.argmax(-1) == batch_targets).sum())
 
+        def held_out_accuracy() -> float:
+            assert held_out is not None
+            features = pooled_features(model, tokenizer, held_out[0], max_length, 64, head.pooling)
+            return float((head.logits(features).argmax(-1) == torch.tensor(held_out[1])).double().mean())
+
         batches = batch_order(len(texts), spec.batch_size, spec.steps, seed)
-        state = train_loop(model, spec, batches, step_loss, out_dir, checkpoint_every, progress, on_step)
+        evaluate = held_out_accuracy if held_out is not None and spec.eval_every else None
+        state = train_loop(
+            model, spec, batches, step_loss, out_dir, checkpoint_every, progress, on_step, evaluate
+        )
         model.eval()
         model.save_pretrained(str(out_dir))
         tokenizer.save_pretrained(str(out_dir))
@@ -115,6 +129,15 @@ def build_expert(
     }
     stage = Stage(cache_dir, "experts", task.name, payload, model_folder_fingerprint)
 
+    held_out = None
+    if spec.eval_every:
+        if not task.counts.get(HEAD_SPLIT):
+            raise ConfigError(
+                f"task {task.name}: finetune.eval_every scores the held-out split; set the task's `head` size"
+            )
+        texts, labels = task.examples(HEAD_SPLIT)
+        held_out = (texts[: spec.eval_examples], labels[: spec.eval_examples])
+
     def produce(folder: Path) -> dict[str, Any]:
         texts, labels = task.examples("train")
         info = train_encoder(
@@ -127,6 +150,7 @@ def build_expert(
             seed,
             folder,
             progress=f"expert {task.name}",
+            held_out=held_out,
         )
         info["bytes"] = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
         return info

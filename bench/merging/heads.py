@@ -1,12 +1,16 @@
-"""Per-task logistic-regression heads on the *pretrained* encoder's pooled features.
+"""Per-task frozen heads built from the *pretrained* encoder: zero-shot or logistic.
 
-The head is fitted on the task's ``head`` split, which is disjoint from the examples the
+A zero-shot head (the paper's protocol, like CLIP's class-name heads in its vision track)
+embeds one short description per class with the pretrained encoder and scores
+``scale · cos(z, e_c)``; it learns nothing from the task's examples, so the experts have
+the whole task left to learn. A logistic head is a strong probe instead: it is fitted
+on the task's ``head`` split, which is disjoint from the examples the
 expert is later fine-tuned on: a head fitted to the fine-tuning examples themselves would
 already classify most of them right and leave the expert little to learn.
 
-This is the benchmark's "Pretrained" baseline (like CLIP's zero-shot heads in the paper's
-vision track), and the head every expert is fine-tuned under, frozen, and every merged
-encoder is scored with. The regularisation ``C`` is chosen on the validation split.
+Either way the head is the benchmark's "Pretrained" baseline, the head every expert is
+fine-tuned under, frozen, and every merged encoder is scored with. A logistic head's
+regularisation ``C`` is chosen on the validation split.
 Features are standardised for the solver; the scaling is folded back into the head, so
 the stored head applies to raw pooled features (contract A).
 """
@@ -23,6 +27,7 @@ import torch
 from bench.merging.cache import Stage, files_fingerprint, stable_key
 from bench.merging.config import HeadSpec
 from bench.merging.tasks import HEAD_SPLIT, TaskData
+from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.evaluation.classification import load_head, pooled_features, save_head
 
 HEAD_FILE = "head.safetensors"
@@ -132,6 +137,24 @@ def pretrained_features(
     return tensors["features"].numpy().astype(np.float64), tensors["labels"].numpy()
 
 
+def class_descriptions(labels: tuple[str, ...], descriptions: dict[str, str]) -> list[str]:
+    """One text per class: its description, or the class name itself where none is given."""
+    unknown = sorted(set(descriptions) - set(labels))
+    if unknown:
+        raise ConfigError(
+            f"descriptions name classes the task does not have: {unknown[:3]}; classes: {list(labels)}"
+        )
+    return [descriptions.get(label, label.replace("_", " ")) for label in labels]
+
+
+def zero_shot_weight(
+    model, tokenizer, texts: list[str], pooling: str, max_length: int, scale: float
+) -> torch.Tensor:
+    """``scale ·`` the unit-length pooled embeddings of ``texts``, one row per class."""
+    embedded = pooled_features(model, tokenizer, texts, max_length, max(1, len(texts)), pooling)
+    return scale * torch.nn.functional.normalize(embedded.double(), dim=-1)
+
+
 def build_head(
     task: TaskData,
     encoder_dir: Path,
@@ -141,6 +164,7 @@ def build_head(
     batch_size: int,
     cache_dir: Path,
     encoder_loader,
+    descriptions: dict[str, str] | None = None,
 ) -> tuple[Path, dict[str, Any], bool]:
     """``(head_file, record, cached)`` for one task; ``encoder_loader()`` loads lazily."""
     payload = {
@@ -149,7 +173,32 @@ def build_head(
         "head": spec.model_dump(mode="json"),
         "max_length": max_length,
     }
+    if spec.kind == "zero_shot":
+        texts = class_descriptions(task.labels, descriptions or {})
+        payload["descriptions"] = texts
     stage = Stage(cache_dir, "heads", task.name, payload, head_fingerprint)
+
+    def produce_zero_shot(folder: Path) -> dict[str, Any]:
+        model, tokenizer = encoder_loader()
+        weight = zero_shot_weight(model, tokenizer, texts, spec.pooling, max_length, spec.scale)
+        path = save_head(folder / HEAD_FILE, weight, torch.zeros(len(texts)), task.labels, spec.pooling, "l2")
+        features, labels = pretrained_features(
+            task,
+            "validation",
+            encoder_fingerprint,
+            spec.pooling,
+            max_length,
+            batch_size,
+            cache_dir,
+            encoder_loader,
+        )
+        predicted = load_head(path).logits(torch.from_numpy(features).float()).argmax(-1).numpy()
+        return {
+            "kind": "zero_shot",
+            "scale": spec.scale,
+            "descriptions": dict(zip(task.labels, texts)),
+            "validation_accuracy": round(float((predicted == labels).mean()), 4),
+        }
 
     def produce(folder: Path) -> dict[str, Any]:
         features, labels = {}, {}
@@ -184,7 +233,7 @@ def build_head(
             predicted = head.logits(torch.from_numpy(features[split]).float()).argmax(-1).numpy()
             info[key] = round(float((predicted == labels[split]).mean()), 4)
         info["train_examples"] = int(len(labels[HEAD_SPLIT]))
-        return info
+        return {"kind": "logistic", **info}
 
-    record, cached = stage.get(produce)
+    record, cached = stage.get(produce_zero_shot if spec.kind == "zero_shot" else produce)
     return stage.path / HEAD_FILE, record, cached

@@ -156,6 +156,7 @@ def _counts(counts: dict[str, int]) -> str:
 
 
 def _heads(config: RunConfig, cache_dir: Path, art: Artifacts, encoder: EncoderHandle) -> None:
+    specs = {spec.name: spec for spec in config.tasks}
     for name in tqdm(list(art.tasks), desc="heads", leave=False):
         task = art.tasks[name]
         head, record, cached = build_head(
@@ -167,12 +168,14 @@ def _heads(config: RunConfig, cache_dir: Path, art: Artifacts, encoder: EncoderH
             config.eval_batch_size,
             cache_dir,
             encoder,
+            specs[name].descriptions,
         )
         art.tasks[name] = ScoredTask(data=task.data, head=head, head_sha=record["fingerprint"])
         art.records[f"head/{name}"] = record
         info = record["info"]
+        kind = f"C={info['C']:<6g}" if "C" in info else "zero-shot"
         say(
-            f"head      {name:18s} C={info['C']:<6g} validation {info['validation_accuracy']:.4f}  "
+            f"head      {name:18s} {kind} validation {info['validation_accuracy']:.4f}  "
             f"{record['seconds']:.0f} s {'(cached)' if cached else ''}"
         )
 
@@ -419,9 +422,8 @@ def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: s
     cells = [(anchor, setting) for anchor in config.search.anchors]
     runtime = results.setdefault("bmm_runtime", {})
     for anchor, setting in tqdm(cells, desc="bmm searches", leave=False):
-        outcomes = [
-            _one_search(config, cache_dir, art, anchor, setting, "bo", seed) for seed in config.search.seeds
-        ]
+        seeds = config.search.anchor_seeds.get(anchor, config.search.seeds)
+        outcomes = [_one_search(config, cache_dir, art, anchor, setting, "bo", seed) for seed in seeds]
         seeds = [
             {
                 "seed": outcome["seed"],
@@ -622,8 +624,11 @@ def write_manifest(config: RunConfig, cache_dir: Path, art: Artifacts) -> Path:
 
 def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: dict[str, Any]) -> None:
     """95 % bootstrap intervals of every row's test average; for BMM rows the paired Δ against
-    their anchor (seed-averaged per example) and the share of the anchor-to-experts gap closed."""
-    from bench.merging.intervals import interval, paired_difference, seed_mean
+    their anchor and against the best anchor (seed-averaged per example), the share of the
+    anchor-to-experts gap closed; the run's range figures and per-cell summary
+    (:mod:`bench.merging.evidence`)."""
+    from bench.merging.evidence import best_anchor, range_figures, summary_row, verdict
+    from bench.merging.intervals import interval, seed_mean
     from bench.merging.scoring import correct_flags
 
     cache, tasks = ScoreCache(cache_dir), list(art.tasks.values())
@@ -641,9 +646,11 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
         for t in tasks
         if f"expert/{t.name}" in art.records
     }
-    if len(indiv) == len(tasks):
-        results["indiv_ci"] = [round(v, 4) for v in interval(indiv)]
+    indiv_flags = indiv if len(indiv) == len(tasks) else None
+    if indiv_flags:
+        results["indiv_ci"] = [round(v, 4) for v in interval(indiv_flags)]
     anchors: dict[str, dict[str, list[bool]]] = {}
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
     for row in results["rows"]:
         try:
             if row["setting"] == "anchor" and row.get("model_id"):
@@ -651,16 +658,33 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
                 row["ci"] = [round(v, 4) for v in interval(anchors[row["anchor"]])]
             elif row.get("seeds"):
                 expected = seed_mean([flags(seed["model_id"]) for seed in row["seeds"]])
+                merged[(row["anchor"], row["setting"])] = expected
                 row["ci"] = [round(v, 4) for v in interval(expected)]
                 row["seed_std"] = round(float(_std([seed["avg"] for seed in row["seeds"]])), 4)
-                base = anchors.get(row["anchor"])
-                if base is not None:
-                    row["delta"] = [round(v, 4) for v in paired_difference(expected, base)]
-                    if len(indiv) == len(tasks):
-                        gap = interval(indiv)[0] - interval(base)[0]
-                        row["gap_closed"] = round(row["delta"][0] / gap, 4) if abs(gap) > 1e-9 else None
         except KeyError as missing:  # a row scored before per-example scores were kept
             say(f"intervals: {missing}")
+    if indiv_flags:
+        ta_flags = anchors.get("task_arithmetic")
+        results["range"] = range_figures(indiv_flags, anchors.get("pretrained"), ta_flags)
+    best = best_anchor(results["rows"])
+    summary = []
+    for (anchor, setting), expected in merged.items():
+        if anchor not in anchors:
+            continue
+        cell = summary_row(anchor, setting, expected, anchors[anchor], anchors.get(best), indiv_flags)
+        summary.append({**cell, "best_anchor": best})
+        row = report.find_row(results, anchor, setting)
+        row["delta"] = [cell["delta"], cell["delta_low"], cell["delta_high"]]
+        row["gap_closed"] = cell.get("gap_closed")
+        if best is not None:
+            row["delta_best_anchor"] = [
+                cell["delta_best_anchor"],
+                cell["delta_best_anchor_low"],
+                cell["delta_best_anchor_high"],
+            ]
+    results["summary"] = summary
+    results["verdict"] = verdict(summary)
+    results["best_anchor"] = best
 
 
 def _std(values: list[float]) -> float:

@@ -40,7 +40,8 @@ def base_results(config, art) -> dict[str, Any]:
         head = art.records.get(f"head/{name}")
         if head:
             results["heads"][name] = {
-                "C": head["info"]["C"],
+                "kind": head["info"].get("kind", "logistic"),
+                "C": head["info"].get("C"),
                 "validation_accuracy": head["info"]["validation_accuracy"],
                 "seconds": head["seconds"],
             }
@@ -51,6 +52,9 @@ def base_results(config, art) -> dict[str, Any]:
                 key: info[key]
                 for key in ("steps", "epochs", "train_seconds", "examples_per_second", "loss_curve", "bytes")
             }
+            for key in ("max_steps", "held_out_curve", "kept_step", "held_out_best", "stopped_early"):
+                if key in info:
+                    results["experts"][name][key] = info[key]
     if results["heads"]:
         results["timings"]["heads_seconds"] = round(sum(h["seconds"] for h in results["heads"].values()), 1)
     if results["experts"]:
@@ -245,6 +249,103 @@ def table1(results: dict[str, Any]) -> str:
     return "\n".join(lines) + note
 
 
+def _interval(figure: dict[str, float], signed: bool = False) -> str:
+    sign = "+" if signed else ""
+    return f"{100 * figure['estimate']:{sign}.1f} [{100 * figure['low']:.1f}, {100 * figure['high']:.1f}]"
+
+
+def range_markdown(results: dict[str, Any]) -> str:
+    """Can this run tell merge methods apart? Experts against Pretrained and Task Arithmetic."""
+    figures = results.get("range")
+    if not figures:
+        return ""
+    parts = [f"experts (Indiv.) {_interval(figures['indiv'])}"]
+    if "pretrained" in figures:
+        parts.append(f"Pretrained {_interval(figures['pretrained'])}")
+    if "task_arithmetic" in figures:
+        parts.append(f"Task Arithmetic {_interval(figures['task_arithmetic'])}")
+    gaps = [
+        f"experts − {label} **{_interval(figures[key], True)}**"
+        for key, label in (
+            ("experts_minus_pretrained", "Pretrained"),
+            ("experts_minus_task_arithmetic", "Task Arithmetic"),
+        )
+        if key in figures
+    ]
+    return (
+        "Test average (%), 95 % bootstrap intervals: "
+        + "; ".join(parts)
+        + ".\n\nRange (paired): "
+        + "; ".join(gaps)
+        + "."
+    )
+
+
+def summary_markdown(results: dict[str, Any]) -> str:
+    """Per anchor and mode: anchor, BMM, Δ with its interval, Δ against the best anchor, gap closed."""
+    summary = results.get("summary")
+    if not summary:
+        return ""
+    best = results.get("best_anchor")
+    best_label = ANCHOR_LABELS.get(best, best) if best else "–"
+    versus = f"Δ vs best anchor ({best_label})"
+    header = ["anchor", "mode", "anchor", "BMM", "Δ [95% CI]", versus, "gap closed"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cell in summary:
+        versus_best = (
+            f"{100 * cell['delta_best_anchor']:+.1f} [{100 * cell['delta_best_anchor_low']:.1f}, "
+            f"{100 * cell['delta_best_anchor_high']:.1f}]"
+            if "delta_best_anchor" in cell
+            else "–"
+        )
+        gap = "–" if cell.get("gap_closed") is None else f"{100 * cell['gap_closed']:.0f}%"
+        lines.append(
+            f"| {ANCHOR_LABELS.get(cell['anchor'], cell['anchor'])} | {cell['mode']} | "
+            f"{100 * cell['anchor_score']:.1f} | {100 * cell['bmm_score']:.1f} | "
+            f"{100 * cell['delta']:+.1f} [{100 * cell['delta_low']:.1f}, {100 * cell['delta_high']:.1f}] | "
+            f"{versus_best} | {gap} |"
+        )
+    counts = results.get("verdict") or {}
+    tally = "; ".join(
+        f"{mode}: above its anchor for {c['above']} of {c['anchors']}, interval above zero for "
+        f"{c['interval_above_zero']}"
+        for mode, c in counts.items()
+    )
+    best_note = "the best anchor is the one with the best validation average"
+    return "\n".join(lines) + f"\n\n{tally}. ({best_note}.)"
+
+
+def plot_expert_curves(results: dict[str, Any], path: Path) -> Path | None:
+    """Each expert's held-out accuracy while it trains, the kept step marked: did it plateau?"""
+    experts = results.get("experts", {})
+    curves = {task: e["held_out_curve"] for task, e in experts.items() if e.get("held_out_curve")}
+    if not curves:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for task, curve in curves.items():
+        steps, scores = zip(*curve)
+        (line,) = ax.plot(steps, [100 * v for v in scores], marker=".", label=task)
+        kept = results["experts"][task].get("kept_step")
+        if kept in steps:
+            ax.scatter([kept], [100 * scores[steps.index(kept)]], s=60, color=line.get_color(), zorder=3)
+        head = results.get("heads", {}).get(task, {}).get("validation_accuracy")
+        if head is not None:
+            ax.axhline(100 * head, color=line.get_color(), linestyle=":", linewidth=0.8)
+    ax.set_xlabel("training step (batches of 32)")
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.set_title("Experts: held-out accuracy while training (dot: kept step; dotted: pretrained head)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def sweeps_markdown(results: dict[str, Any]) -> str:
     """The sweeps' numbers: validation at each point, per setting, and the size of U against U0."""
     sweeps = results.get("sweeps")
@@ -393,7 +494,19 @@ def plot_anchors(results: dict[str, Any], path: Path) -> Path | None:
 
 
 def data_table(results: dict[str, Any]) -> str:
-    header = ["task", "classes", "train", "head", "validation", "test", "head C", "expert steps", "expert s"]
+    header = [
+        "task",
+        "classes",
+        "train",
+        "head",
+        "validation",
+        "test",
+        "head",
+        "pretrained (val)",
+        "expert steps (kept / trained)",
+        "held-out best",
+        "expert s",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for task in results["tasks"]:
         counts = results["data"][task]["counts"]
@@ -406,8 +519,10 @@ def data_table(results: dict[str, Any]) -> str:
             counts.get("head", "–"),
             counts["validation"],
             counts["test"],
-            head.get("C", "–"),
-            expert.get("steps", "–"),
+            "zero-shot" if head.get("kind") == "zero_shot" else f"C={head.get('C', '–')}",
+            "–" if head.get("validation_accuracy") is None else f"{100 * head['validation_accuracy']:.1f}",
+            f"{expert.get('kept_step', expert.get('steps', '–'))} / {expert.get('steps', '–')}",
+            "–" if expert.get("held_out_best") is None else f"{100 * expert['held_out_best']:.1f}",
             expert.get("train_seconds", "–"),
         ]
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
@@ -520,6 +635,10 @@ def write(results: dict[str, Any], folder: Path) -> None:
     picture = plot(results, folder / "per_task.png")
     panels = plot_anchors(results, folder / "per_anchor.png") if len(results["rows"]) > 2 else None
     text = [f"# {results['name']}: {results['encoder']}, test accuracy (%)", ""]
+    if results.get("range"):
+        text += ["## Range: can this run tell merge methods apart?", "", range_markdown(results), ""]
+    if results.get("summary"):
+        text += ["## BMM against its anchor and the best anchor", "", summary_markdown(results), ""]
     if any(r["setting"] != "anchor" for r in results["rows"]):
         text += ["## Anchors and BMM (Table 1 in kind)", "", table1(results), ""]
         if panels:
@@ -539,6 +658,8 @@ def write(results: dict[str, Any], folder: Path) -> None:
             text += ["## Runtime of the searches (Table 5 in kind)", "", runtime_table(results), ""]
     text += ["## All rows", "", markdown(results), ""]
     text += ["## Data and experts", "", data_table(results), ""]
+    if plot_expert_curves(results, folder / "experts.png"):
+        text += ["![experts' held-out curves](experts.png)", ""]
     if picture:
         text += ["![per-task test accuracy](per_task.png)", ""]
     if results.get("language"):

@@ -1,7 +1,9 @@
 """The fine-tuning loop shared by the encoder and language-model experts, resumable.
 
 AdamW with a linear warm-up/decay schedule and gradient clipping over a fixed number of
-steps. Every ``checkpoint_every`` steps the model, optimiser, scheduler, torch RNG state
+steps, or, given an ``evaluate`` callback and ``eval_every``, until a held-out score stops
+improving for ``patience`` evaluations; the best-scoring weights are the ones kept.
+Every ``checkpoint_every`` steps the model, optimiser, scheduler, torch RNG state
 (dropout) and the loop's counters are saved in the stage's ``.partial`` folder; an
 interrupted build resumes from there and produces exactly the weights an uninterrupted
 one would (the batch order is a pure function of the seed).
@@ -22,6 +24,7 @@ import torch
 from bench.merging.config import FinetuneSpec
 
 CHECKPOINT = "resume-state.ckpt"
+BEST = "best-state.ckpt"
 NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
 
 
@@ -63,11 +66,14 @@ def train_loop(
     checkpoint_every: int = 25,
     progress: str | None = None,
     on_step: Callable[[int], None] | None = None,
+    evaluate: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
-    """Run ``spec.steps`` optimiser steps; ``step_loss(rows) -> (loss, correct)``.
+    """Run up to ``spec.steps`` optimiser steps; ``step_loss(rows) -> (loss, correct)``.
 
     Returns the loop's counters: ``losses`` (per step), ``correct``, ``seen``,
-    ``seconds`` (training time, summed over resumptions) and ``resumed_at``.
+    ``seconds`` (training time, summed over resumptions), ``resumed_at``, and with
+    ``evaluate``: ``evals`` ([step, score] pairs), ``best`` (the kept step and its score)
+    and ``stopped_early``.
     """
     from tqdm.auto import tqdm
 
@@ -82,8 +88,12 @@ def train_loop(
         "seen": 0,
         "seconds": 0.0,
         "resumed_at": None,
+        "evals": [],
+        "best": None,
+        "stopped_early": False,
     }
     checkpoint = folder / CHECKPOINT if folder is not None else None
+    best_weights = BestWeights(folder)
     if checkpoint is not None and checkpoint.is_file():
         saved = torch.load(checkpoint, weights_only=True)
         model.load_state_dict(saved["model"])
@@ -112,14 +122,71 @@ def train_loop(
         state["seconds"] = time.time() - started
         bar.update()
         bar.set_postfix(loss=f"{np.mean(state['losses'][-20:]):.3f}")
+        if evaluate is not None and spec.eval_every and state["step"] % spec.eval_every == 0:
+            if _evaluate_and_keep_best(model, evaluate, state, best_weights, spec.patience):
+                state["stopped_early"] = True
+                bar.set_postfix(loss=f"{np.mean(state['losses'][-20:]):.3f}", best=state["best"]["score"])
+                break
         if checkpoint is not None and state["step"] % checkpoint_every == 0 and state["step"] < spec.steps:
             _save(checkpoint, model, optimizer, scheduler, state)
         if on_step is not None:
             on_step(step)
     bar.close()
+    if evaluate is not None and spec.eval_every:
+        if not state["evals"] or state["evals"][-1][0] != state["step"]:  # score the last step too
+            _evaluate_and_keep_best(model, evaluate, state, best_weights, spec.patience)
+        if state["best"]["step"] != state["step"]:
+            model.load_state_dict(best_weights.load())
+    best_weights.discard()
     if checkpoint is not None and checkpoint.exists():
         checkpoint.unlink()
     return state
+
+
+class BestWeights:
+    """The best-scoring weights so far: a file in the build folder (it survives a resume), or memory."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.path = folder / BEST if folder is not None else None
+        self._memory: dict[str, torch.Tensor] | None = None
+
+    def keep(self, model: torch.nn.Module) -> None:
+        weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        if self.path is None:
+            self._memory = weights
+            return
+        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        torch.save(weights, temporary)
+        os.replace(temporary, self.path)
+
+    def load(self) -> dict[str, torch.Tensor]:
+        if self.path is None:
+            assert self._memory is not None
+            return self._memory
+        return torch.load(self.path, weights_only=True)
+
+    def discard(self) -> None:
+        self._memory = None
+        if self.path is not None and self.path.exists():
+            self.path.unlink()
+
+
+def _evaluate_and_keep_best(
+    model: torch.nn.Module,
+    evaluate: Callable[[], float],
+    state: dict[str, Any],
+    best: BestWeights,
+    patience: int,
+) -> bool:
+    """Score the model, keep its weights if best so far; True once ``patience`` scores brought nothing."""
+    score = round(float(evaluate()), 4)
+    state["evals"].append([state["step"], score])
+    if state["best"] is None or score > state["best"]["score"]:
+        state["best"] = {"step": state["step"], "score": score}
+        best.keep(model)
+        return False
+    since_best = sum(1 for step, _ in state["evals"] if step > state["best"]["step"])
+    return since_best >= patience
 
 
 def _save(path: Path, model, optimizer, scheduler, state: dict[str, Any]) -> None:
@@ -142,7 +209,8 @@ def summary(state: dict[str, Any], spec: FinetuneSpec, examples: int, seed: int)
     losses = state["losses"]
     chunk = max(1, len(losses) // 10)
     return {
-        "steps": spec.steps,
+        "steps": state["step"],
+        "max_steps": spec.steps,
         "examples_seen": state["seen"],
         "epochs": round(state["seen"] / examples, 3),
         "train_seconds": round(state["seconds"], 1),
@@ -151,4 +219,8 @@ def summary(state: dict[str, Any], spec: FinetuneSpec, examples: int, seed: int)
         "train_accuracy_running": round(state["correct"] / max(state["seen"], 1), 4),
         "resumed_at_step": state["resumed_at"],
         "seed": seed,
+        "held_out_curve": state.get("evals", []),
+        "kept_step": (state.get("best") or {}).get("step", state["step"]),
+        "held_out_best": (state.get("best") or {}).get("score"),
+        "stopped_early": state.get("stopped_early", False),
     }

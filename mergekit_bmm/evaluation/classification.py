@@ -2,7 +2,9 @@
 
 A *head* is a safetensors file with ``weight`` ``[classes, hidden]`` and ``bias``
 ``[classes]`` (float32) and metadata ``pooling`` (``mean`` over non-padding tokens, the
-default, or ``cls``: the first token) and ``labels`` (a JSON list of class names).
+default, or ``cls``: the first token), ``labels`` (a JSON list of class names) and,
+optionally, ``normalize: l2`` (pooled states are scaled to unit length first: a zero-shot
+head of class-description embeddings scores ``scale · cos(z, e_c)``).
 A *task data file* is JSONL with a text and an integer label per line, and optionally a
 ``split``. Logits are ``pooled @ weight.T + bias`` on the encoder's last hidden state.
 
@@ -41,6 +43,7 @@ __all__ = [
 ]
 
 POOLINGS = ("mean", "cls")
+NORMALIZATIONS = ("none", "l2")
 
 SUBSET_SEED = 0
 
@@ -53,6 +56,7 @@ class Head:
     bias: torch.Tensor  # [classes], float32
     pooling: str
     labels: tuple[str, ...]
+    normalize: str = "none"  # "l2": unit-length pooled states (cosine heads)
 
     @property
     def num_classes(self) -> int:
@@ -63,8 +67,11 @@ class Head:
         return self.weight.shape[1]
 
     def logits(self, pooled: torch.Tensor) -> torch.Tensor:
-        """``pooled @ weight.T + bias`` in float32."""
-        return pooled.float() @ self.weight.T + self.bias
+        """``pooled @ weight.T + bias`` in float32 (pooled scaled to unit length for ``l2``)."""
+        pooled = pooled.float()
+        if self.normalize == "l2":
+            pooled = torch.nn.functional.normalize(pooled, dim=-1)
+        return pooled @ self.weight.T + self.bias
 
 
 def save_head(
@@ -73,8 +80,9 @@ def save_head(
     bias: torch.Tensor,
     labels: Sequence[str],
     pooling: str = "mean",
+    normalize: str = "none",
 ) -> Path:
-    """Write a head file (float32 tensors plus ``pooling``/``labels`` metadata)."""
+    """Write a head file (float32 tensors plus ``pooling``/``labels``/``normalize`` metadata)."""
     from safetensors.torch import save_file
 
     weight = torch.as_tensor(weight).detach().to(torch.float32).contiguous()
@@ -86,12 +94,13 @@ def save_head(
         )
     if pooling not in POOLINGS:
         raise ConfigError(f"head {path}: pooling {pooling!r} is not one of {POOLINGS}")
+    if normalize not in NORMALIZATIONS:
+        raise ConfigError(f"head {path}: normalize {normalize!r} is not one of {NORMALIZATIONS}")
     path = Path(path)
-    save_file(
-        {"weight": weight, "bias": bias},
-        str(path),
-        metadata={"pooling": pooling, "labels": json.dumps([str(label) for label in labels])},
-    )
+    metadata = {"pooling": pooling, "labels": json.dumps([str(label) for label in labels])}
+    if normalize != "none":  # heads without the key read as before
+        metadata["normalize"] = normalize
+    save_file({"weight": weight, "bias": bias}, str(path), metadata=metadata)
     return path
 
 
@@ -129,6 +138,9 @@ def _load_head(path: str, stamp: int) -> Head:
     pooling = metadata.get("pooling", "mean")
     if pooling not in ("mean", "cls"):
         raise ConfigError(f"head {path}: metadata pooling must be 'mean' or 'cls'; got {pooling!r}")
+    normalize = metadata.get("normalize", "none")
+    if normalize not in NORMALIZATIONS:
+        raise ConfigError(f"head {path}: metadata normalize must be 'none' or 'l2'; got {normalize!r}")
     try:
         labels = tuple(str(label) for label in json.loads(metadata.get("labels", "null")) or ())
     except ValueError:
@@ -137,7 +149,7 @@ def _load_head(path: str, stamp: int) -> Head:
         raise ConfigError(
             f"head {path} has {weight.shape[0]} classes but {len(labels)} labels in its metadata"
         )
-    return Head(weight, bias, pooling, labels or tuple(str(i) for i in range(weight.shape[0])))
+    return Head(weight, bias, pooling, labels or tuple(str(i) for i in range(weight.shape[0])), normalize)
 
 
 def _subset(count: int, limit: int | float | None) -> list[int]:

@@ -1,0 +1,90 @@
+"""The run's headline evidence, from per-example test results: range, and what BMM adds.
+
+Two questions decide whether a benchmark can tell merge methods apart and what it says:
+*is there range* (experts well above the pretrained model and above Task Arithmetic, with
+intervals), and *does BMM beat its anchor and the best anchor* (paired Δ with intervals,
+and the share of the anchor-to-experts gap closed). Every figure here is a paired
+bootstrap over the same test examples (:mod:`bench.merging.intervals`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from bench.merging.intervals import interval, paired_difference
+
+Flags = Mapping[str, Sequence[float]]
+
+
+def _triple(values: tuple[float, float, float]) -> dict[str, float]:
+    estimate, low, high = values
+    return {"estimate": round(estimate, 4), "low": round(low, 4), "high": round(high, 4)}
+
+
+def range_figures(indiv: Flags, pretrained: Flags | None, task_arithmetic: Flags | None) -> dict[str, Any]:
+    """Experts, pretrained and Task Arithmetic test averages and the paired gaps between them."""
+    out: dict[str, Any] = {"indiv": _triple(interval(indiv))}
+    if pretrained is not None:
+        out["pretrained"] = _triple(interval(pretrained))
+        out["experts_minus_pretrained"] = _triple(paired_difference(indiv, pretrained))
+    if task_arithmetic is not None:
+        out["task_arithmetic"] = _triple(interval(task_arithmetic))
+        out["experts_minus_task_arithmetic"] = _triple(paired_difference(indiv, task_arithmetic))
+    return out
+
+
+def best_anchor(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """The merge anchor (not Pretrained) with the best *validation* average: chosen as a user would."""
+    candidates = [
+        r
+        for r in rows
+        if r["setting"] == "anchor" and r["anchor"] != "pretrained" and r.get("validation_avg") is not None
+    ]
+    return max(candidates, key=lambda r: r["validation_avg"])["anchor"] if candidates else None
+
+
+def summary_row(
+    anchor: str,
+    setting: str,
+    bmm: Flags,
+    anchor_flags: Flags,
+    best: Flags | None,
+    indiv: Flags | None,
+) -> dict[str, Any]:
+    """One (anchor, mode) cell: both scores, Δ with its interval, Δ against the best anchor, gap closed."""
+    anchor_score, bmm_score = interval(anchor_flags)[0], interval(bmm)[0]
+    delta = paired_difference(bmm, anchor_flags)
+    row: dict[str, Any] = {
+        "anchor": anchor,
+        "mode": setting,
+        "anchor_score": round(anchor_score, 4),
+        "bmm_score": round(bmm_score, 4),
+        "delta": round(delta[0], 4),
+        "delta_low": round(delta[1], 4),
+        "delta_high": round(delta[2], 4),
+        "above_anchor": delta[0] > 0,
+        "interval_above_zero": delta[1] > 0,
+    }
+    if best is not None:
+        versus_best = paired_difference(bmm, best)
+        row.update(
+            delta_best_anchor=round(versus_best[0], 4),
+            delta_best_anchor_low=round(versus_best[1], 4),
+            delta_best_anchor_high=round(versus_best[2], 4),
+        )
+    if indiv is not None:
+        gap = interval(indiv)[0] - anchor_score
+        row["gap_closed"] = round(delta[0] / gap, 4) if abs(gap) > 1e-9 else None
+    return row
+
+
+def verdict(summary: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per mode: over how many anchors BMM is above its anchor, and with the interval above zero."""
+    out: dict[str, dict[str, int]] = {}
+    for row in summary:
+        counts = out.setdefault(row["mode"], {"anchors": 0, "above": 0, "interval_above_zero": 0})
+        counts["anchors"] += 1
+        counts["above"] += int(row["above_anchor"])
+        counts["interval_above_zero"] += int(row["interval_above_zero"])
+    return out

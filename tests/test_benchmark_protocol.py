@@ -1,0 +1,168 @@
+"""The benchmark's protocol pieces: early stopping, zero-shot heads, and the headline evidence."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from bench.merging.config import FinetuneSpec
+from bench.merging.evidence import best_anchor, range_figures, summary_row, verdict
+from bench.merging.intervals import interval, paired_difference
+from bench.merging.training import batch_order, train_loop
+
+
+def _loop(scores: list[float], patience: int, folder=None):
+    """A linear model trained on noise; ``evaluate`` returns the given scores in turn and
+    records the weights it saw, so the test knows which weights each score belonged to."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    data, targets = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    spec = FinetuneSpec(steps=40, batch_size=8, lr=0.05, eval_every=5, patience=patience, threads=1)
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def step_loss(rows):
+        logits = model(data[torch.from_numpy(rows)])
+        return torch.nn.functional.cross_entropy(logits, targets[torch.from_numpy(rows)]), 0
+
+    def evaluate() -> float:
+        seen.append({k: v.clone() for k, v in model.state_dict().items()})
+        return scores[len(seen) - 1]
+
+    state = train_loop(model, spec, batch_order(64, 8, 40, 0), step_loss, folder, evaluate=evaluate)
+    return model, state, seen
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_training_stops_after_patience_and_keeps_the_best_weights(tmp_path, on_disk):
+    scores = [0.5, 0.7, 0.6, 0.65, 0.9, 0.95, 0.99, 0.99]
+    model, state, seen = _loop(scores, patience=2, folder=tmp_path if on_disk else None)
+    assert state["stopped_early"] and state["step"] == 20  # evaluations at 5, 10, 15, 20
+    assert state["evals"] == [[5, 0.5], [10, 0.7], [15, 0.6], [20, 0.65]]
+    assert state["best"] == {"step": 10, "score": 0.7}
+    kept = model.state_dict()
+    assert all(torch.equal(kept[k], seen[1][k]) for k in kept)  # the weights scored 0.7
+    assert not list(tmp_path.glob("*.ckpt"))  # nothing left behind
+
+
+def test_training_without_a_plateau_runs_to_the_cap_and_keeps_the_last_best():
+    scores = [0.1 * i for i in range(1, 9)]
+    model, state, seen = _loop(scores, patience=3)
+    assert not state["stopped_early"] and state["step"] == 40 and len(state["evals"]) == 8
+    assert state["best"]["step"] == 40
+    assert all(torch.equal(model.state_dict()[k], seen[-1][k]) for k in seen[-1])
+
+
+def test_zero_shot_head_is_scaled_unit_description_embeddings(tmp_path):
+    """Each row is scale · the unit embedding of its class's description (the class name if none)."""
+    from bench.merging.heads import class_descriptions, zero_shot_weight
+    from mergekit_bmm.errors import ConfigError
+    from mergekit_bmm.evaluation.classification import pooled_features
+    from mergekit_bmm.examples.tiny_models import make_base
+
+    model, tokenizer = make_base("bert", hidden=32, layers=2, seed=0)
+    texts = class_descriptions(("pos", "neg_review"), {"pos": "a happy text"})
+    assert texts == ["a happy text", "neg review"]
+    weight = zero_shot_weight(model, tokenizer, texts, "mean", 16, 20.0)
+    assert torch.allclose(weight.norm(dim=-1), torch.full((2,), 20.0, dtype=torch.float64))
+    one = pooled_features(model, tokenizer, texts[1:], 16, 1).double()
+    assert torch.allclose(weight[1], 20 * one[0] / one[0].norm(), atol=1e-5)
+    with pytest.raises(ConfigError, match="descriptions name classes"):
+        class_descriptions(("pos", "neg"), {"neutral": "x"})
+
+
+def _flags(rng, accuracy: float, n: int = 300) -> dict[str, np.ndarray]:
+    return {task: (rng.random(n) < accuracy).astype(float) for task in ("a", "b")}
+
+
+def test_range_and_summary_are_paired_bootstrap_figures():
+    rng = np.random.default_rng(0)
+    indiv, pretrained, ta, bmm, ties = (_flags(rng, p) for p in (0.9, 0.5, 0.7, 0.8, 0.72))
+    figures = range_figures(indiv, pretrained, ta)
+    gap = paired_difference(indiv, pretrained)
+    assert figures["experts_minus_pretrained"] == {
+        "estimate": round(gap[0], 4),
+        "low": round(gap[1], 4),
+        "high": round(gap[2], 4),
+    }
+    assert figures["experts_minus_pretrained"]["low"] > 0.3  # 40 points apart: clearly above zero
+    rows = [
+        {"anchor": "pretrained", "setting": "anchor", "validation_avg": 0.99},
+        {"anchor": "task_arithmetic", "setting": "anchor", "validation_avg": 0.70},
+        {"anchor": "ties", "setting": "anchor", "validation_avg": 0.75},
+        {"anchor": "ties", "setting": "data_free", "validation_avg": 0.95},
+    ]
+    assert best_anchor(rows) == "ties"  # chosen on validation, never Pretrained or a BMM row
+    cell = summary_row("task_arithmetic", "data_free", bmm, ta, ties, indiv)
+    delta = paired_difference(bmm, ta)
+    assert cell["delta"] == round(delta[0], 4) and cell["delta_low"] == round(delta[1], 4)
+    assert cell["above_anchor"] and cell["interval_above_zero"]
+    assert cell["gap_closed"] == round(delta[0] / (interval(indiv)[0] - interval(ta)[0]), 4)
+    assert cell["delta_best_anchor"] == round(paired_difference(bmm, ties)[0], 4)
+    worse = summary_row("ties", "data_assisted", ta, ties, ties, indiv)
+    assert verdict([cell, worse]) == {
+        "data_free": {"anchors": 1, "above": 1, "interval_above_zero": 1},
+        "data_assisted": {"anchors": 1, "above": 0, "interval_above_zero": 0},
+    }
+
+
+@pytest.mark.slow
+def test_zero_shot_run_stops_experts_early_and_reports_range(tmp_path):
+    """A tiny run with zero-shot heads and early stopping: heads are cosine heads, each expert's
+    held-out curve and kept step are recorded and drawn, and the range figures are reported."""
+    from click.testing import CliRunner
+    from test_benchmark_smoke import write_task
+
+    from bench.merging.__main__ import main
+    from mergekit_bmm.evaluation.classification import load_head
+    from mergekit_bmm.examples.tiny_models import make_base
+
+    model, tokenizer = make_base("bert", hidden=32, layers=2, seed=0)
+    model.save_pretrained(tmp_path / "tiny-bert")
+    tokenizer.save_pretrained(tmp_path / "tiny-bert")
+    config = {
+        "name": "zs",
+        "encoder": {"name": "tiny-bert", "path": str(tmp_path / "tiny-bert")},
+        "max_length": 16,
+        "eval_batch_size": 16,
+        "head": {"kind": "zero_shot", "scale": 20.0},
+        "tasks": [
+            {
+                "name": "mood",
+                "jsonl": str(write_task(tmp_path / "mood.jsonl", "mood", 120, 1, True)),
+                "labels": ["positive", "negative"],
+                "descriptions": {"positive": "good great happy", "negative": "bad awful sad"},
+                "train": 64,
+                "head": 24,
+                "validation": 16,
+                "test": 24,
+            },
+        ],
+        "finetune": {"steps": 12, "eval_every": 2, "patience": 2, "batch_size": 8, "lr": 1e-3, "threads": 1},
+        "task_arithmetic": {"weights": [1.0]},
+        "niceness": 0,
+    }
+    path = tmp_path / "zs.yml"
+    path.write_text(yaml.safe_dump(config))
+    args = ["run", str(path), "--cache-dir", str(tmp_path / "cache"), "--results-dir", str(tmp_path / "out")]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "out" / "zs" / "results.json").read_text())
+    manifest = json.loads((tmp_path / "cache" / "runs" / "zs" / "manifest.json").read_text())
+    head = load_head(manifest["heads"]["mood"])
+    assert head.normalize == "l2" and torch.allclose(head.weight.norm(dim=-1), torch.full((2,), 20.0))
+    assert results["heads"]["mood"]["kind"] == "zero_shot"
+    expert = results["experts"]["mood"]
+    curve = expert["held_out_curve"]
+    assert curve and curve[-1][0] == expert["steps"] <= 12
+    best_score = max(score for _, score in curve)
+    assert expert["kept_step"] == next(step for step, score in curve if score == best_score)
+    assert (tmp_path / "out" / "zs" / "experts.png").stat().st_size > 0
+    assert set(results["range"]) >= {"indiv", "pretrained", "experts_minus_pretrained"}
+    assert (
+        "Range: can this run tell merge methods apart?"
+        in (tmp_path / "out" / "zs" / "results.md").read_text()
+    )
