@@ -274,6 +274,22 @@ def test_three_failures_in_a_row_stop_with_one_line(family, tmp_path):
     )
 
 
+def test_a_folder_style_function_is_told_to_ask_for_a_folder(family, tmp_path):
+    """A function written as fn(model_dir, ...) before resident trials, left with `input: model`."""
+    from click.testing import CliRunner
+
+    from mergekit_bmm.cli.search import main
+
+    search_file = tmp_path / "search.yml"
+    evaluator = python_evaluator("fails_on", trials=[])  # fails_on(model_dir, trials, ...): a folder function
+    search_file.write_text(yaml.safe_dump(config_dict(family, evaluator, strategy="random", budget=2)))
+    result = CliRunner().invoke(main, [str(search_file), str(tmp_path / "out"), "--quiet"])
+    assert result.exit_code != 0
+    lines = result.stderr.strip().splitlines()
+    assert "seems to expect a model folder" in lines[-1] and "`input: folder`" in lines[-1]
+    assert "model_dir" in lines[-1]
+
+
 def test_grid_tries_one_shared_lambda_log_spaced(family, tmp_path):
     config = make_config(
         family,

@@ -396,6 +396,9 @@ def _search_section(summary: SearchSummary, plots: Mapping[str, str]) -> list[st
         _table(["search", "value"], facts),
         "",
     ]
+    staged = (getattr(summary, "fidelity", None) or {}).get("description")
+    if staged:  # how the search spent its validation examples (cheap-then-full evaluation)
+        lines += [staged[0].upper() + staged[1:] + ".", ""]
     changes = getattr(summary, "box_changes", None) or []
     if changes:
         lines += ["The search box widened where the best point sat on an edge:", ""]

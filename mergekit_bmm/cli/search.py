@@ -43,6 +43,12 @@ def _echo(message: str) -> None:
 @click.option("--no-cache", is_flag=True, help="Do not give bmm a λ-independent factor cache.")
 @click.option("--budget", type=click.IntRange(min=1), default=None, help="Override search.yml's budget.")
 @click.option(
+    "--full-eval",
+    is_flag=True,
+    help="Score every trial on every validation example (turns off search.yml's `fidelity:`, "
+    "cheap-then-full evaluation and early stopping).",
+)
+@click.option(
     "--trials",
     type=click.Choice(["auto", "memory", "disk"]),
     default=None,
@@ -169,6 +175,8 @@ def _run(merge_options, search_file, out_path, resume, force, switches) -> bool:
                 f"--resume: {out_path} holds no search.yml; give the search.yml you started with"
             )
     config = load_search_config(search_file)
+    if switches["full_eval"]:
+        config = config.model_copy(update={"fidelity": config.fidelity.model_copy(update={"enabled": False})})
     budget = switches["budget"]
     if budget is not None:
         config = config.model_copy(update={"budget": budget})

@@ -12,6 +12,7 @@ instead, since every later trial would fail the same way.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,6 +32,27 @@ class ModelLoading:
 
     class_name: str = "auto"
     dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class TaskExamples:
+    """One task's examples as a staged evaluation sees them: how many, and a stratum
+    (e.g. the label) per example for a stratified subsample."""
+
+    count: int
+    strata: tuple[int, ...] | None = None
+
+
+class ExampleScoring(Protocol):
+    """An evaluator that scores single examples (per-example scores in [0, 1] whose mean is
+    the task's score), so a search can score a trial on part of its examples first
+    (:mod:`mergekit_bmm.search.fidelity`)."""
+
+    weights: dict[str, float]
+
+    def examples(self) -> dict[str, TaskExamples]: ...
+
+    def example_scorer(self, model: Any, tokenizer: Any) -> Callable[[str, Sequence[int]], list[float]]: ...
 
 
 class Evaluator(Protocol):
@@ -88,13 +110,16 @@ def load_model(model_dir: Path, class_name: str, device: str, dtype: str = "floa
     return model.to(device).eval()
 
 
-def evaluate_folder(evaluator: Any, model_dir: Path, device: str) -> dict[str, float]:
-    """Load ``model_dir`` as ``evaluator.loading`` says and score it with ``evaluate_model``."""
+def evaluate_folder(
+    evaluator: Any, model_dir: Path, device: str, score: Callable[[Any, Any], Any] | None = None
+) -> Any:
+    """Load ``model_dir`` as ``evaluator.loading`` says and score it with ``score(model, tokenizer)``
+    (default: ``evaluator.evaluate_model``)."""
     loading = evaluator.loading
     model = load_model(model_dir, loading.class_name, device, loading.dtype)
     tokenizer = load_tokenizer(model_dir)
     try:
-        return evaluator.evaluate_model(model, tokenizer)
+        return (score or evaluator.evaluate_model)(model, tokenizer)
     finally:
         del model, tokenizer
         release_memory()

@@ -8,8 +8,9 @@ head of class-description embeddings scores ``scale · cos(z, e_c)``).
 A *task data file* is JSONL with a text and an integer label per line, and optionally a
 ``split``. Logits are ``pooled @ weight.T + bias`` on the encoder's last hidden state.
 
-:func:`task_logits` is the one scoring routine: the search, the benchmark and the
-ensembles all call it, so they score exactly the same way.
+Everything scores through :func:`pooled_encoded` and :meth:`Head.logits`: :func:`task_logits`
+(the benchmark, the ensembles, your own code) and the search's evaluator, which tokenises
+once and can score single examples; so they score exactly the same way.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from mergekit_bmm.errors import ConfigError, TensorInputError
-from mergekit_bmm.evaluation.base import ModelLoading, evaluate_folder
+from mergekit_bmm.evaluation.base import ModelLoading, TaskExamples, evaluate_folder
 from mergekit_bmm.evaluation.config import ClassificationEvaluatorConfig, ClassificationTask
 
 __all__ = [
@@ -34,9 +35,11 @@ __all__ = [
     "ClassificationTask",
     "Head",
     "accuracy",
+    "encode_texts",
     "load_examples",
     "load_head",
     "pool",
+    "pooled_encoded",
     "pooled_features",
     "save_head",
     "task_logits",
@@ -236,7 +239,74 @@ def _last_hidden_state(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tens
     return hidden
 
 
+def encode_texts(tokenizer: Any, texts: Sequence[str], max_length: int) -> list[dict[str, list[int]]]:
+    """Each text's token ids (and type ids), truncated to ``max_length``: tokenise once, pool often."""
+    encoded = tokenizer(list(texts), truncation=True, max_length=max_length)
+    keys = [key for key in ("input_ids", "token_type_ids") if key in encoded]
+    return [{key: encoded[key][i] for key in keys} for i in range(len(texts))]
+
+
+def _pad(rows: Sequence[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` (and ``token_type_ids``) of a batch."""
+    width = max(len(row["input_ids"]) for row in rows)
+    batch = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long)}
+    batch["attention_mask"] = torch.zeros((len(rows), width), dtype=torch.long)
+    if "token_type_ids" in rows[0]:
+        batch["token_type_ids"] = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        length = len(row["input_ids"])
+        batch["input_ids"][i, :length] = torch.tensor(row["input_ids"])
+        batch["attention_mask"][i, :length] = 1
+        if "token_type_ids" in batch:
+            batch["token_type_ids"][i, :length] = torch.tensor(row["token_type_ids"])
+    return batch
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The id padding uses (the end-of-text or unknown token where the tokenizer has no pad token)."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return 0
+
+
 @torch.inference_mode()
+def pooled_encoded(
+    model: Any,
+    rows: Sequence[dict[str, list[int]]],
+    pad_id: int,
+    batch_size: int = 32,
+    pooling: str = "mean",
+    progress: str | None = None,
+) -> torch.Tensor:
+    """``[N, hidden]`` pooled last hidden states (float32, CPU) of tokenised rows, in their order.
+
+    Rows are batched by length (less padding) and padded on the right, so ``cls`` pooling
+    reads the first real token. Each row only sees its own tokens, so the result does not
+    depend on the batching.
+    """
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    was_training = getattr(model, "training", False)
+    model.eval()
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
+    pooled: torch.Tensor | None = None
+    try:
+        starts = range(0, len(order), batch_size)
+        for start in tqdm(starts, desc=progress, disable=progress is None, leave=False):
+            chunk = order[start : start + batch_size]
+            batch = {k: v.to(device) for k, v in _pad([rows[i] for i in chunk], pad_id).items()}
+            hidden = _last_hidden_state(model, batch)
+            if pooled is None:
+                pooled = torch.empty(len(rows), hidden.shape[-1])
+            pooled[chunk] = pool(hidden, batch["attention_mask"], pooling).cpu()
+    finally:
+        model.train(was_training)
+    assert pooled is not None
+    return pooled
+
+
 def pooled_features(
     model: Any,
     tokenizer: Any,
@@ -246,50 +316,10 @@ def pooled_features(
     pooling: str = "mean",
     progress: str | None = None,
 ) -> torch.Tensor:
-    """``[N, hidden]`` pooled last hidden states (float32, CPU), in the order of ``texts``.
-
-    Texts are batched by token length (less padding); padding is on the right so ``cls``
-    pooling reads the first real token. Each row only sees its own tokens, so the result
-    does not depend on the batching.
-    """
-    from tqdm.auto import tqdm
-
-    texts = list(texts)
-    device = next(model.parameters()).device
-    was_training = getattr(model, "training", False)
-    model.eval()
-    pad_side, pad_token = tokenizer.padding_side, tokenizer.pad_token
-    tokenizer.padding_side = "right"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    try:
-        lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]
-        order = sorted(range(len(texts)), key=lambda i: lengths[i])
-        pooled: torch.Tensor | None = None
-        starts = range(0, len(order), batch_size)
-        for start in tqdm(starts, desc=progress, disable=progress is None, leave=False):
-            chunk = order[start : start + batch_size]
-            batch = tokenizer(
-                [texts[i] for i in chunk],
-                truncation=True,
-                max_length=max_length,
-                padding=True,
-                return_tensors="pt",
-            )
-            batch = {
-                k: v.to(device)
-                for k, v in batch.items()
-                if k in ("input_ids", "attention_mask", "token_type_ids")
-            }
-            hidden = _last_hidden_state(model, batch)
-            if pooled is None:
-                pooled = torch.empty(len(texts), hidden.shape[-1])
-            pooled[chunk] = pool(hidden, batch["attention_mask"], pooling).cpu()
-    finally:
-        tokenizer.padding_side, tokenizer.pad_token = pad_side, pad_token
-        model.train(was_training)
-    assert pooled is not None
-    return pooled
+    """``[N, hidden]`` pooled last hidden states (float32, CPU), in the order of ``texts``
+    (:func:`encode_texts`, then :func:`pooled_encoded`)."""
+    rows = encode_texts(tokenizer, texts, max_length)
+    return pooled_encoded(model, rows, pad_token_id(tokenizer), batch_size, pooling, progress)
 
 
 def task_logits(
@@ -322,7 +352,12 @@ def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 class ClassificationEvaluator:
-    """Scores every task's accuracy with its fixed head, on a folder or on a live encoder."""
+    """Scores every task's accuracy with its fixed head, on a folder or on a live encoder.
+
+    Texts are tokenised once per tokenizer (a search's resident model keeps one) and single
+    examples can be scored (:meth:`example_scorer`), so a search can score a trial on part
+    of its examples first (:mod:`mergekit_bmm.search.fidelity`).
+    """
 
     loading = ModelLoading("AutoModel", "float32")
 
@@ -330,18 +365,56 @@ class ClassificationEvaluator:
         self.config = config
         self.device = device
         self.weights = {task.name: task.weight for task in config.tasks}
+        self._data: dict[str, tuple[Head, list[str], torch.Tensor]] = {}
         for task in config.tasks:  # read and check heads and data now, not at trial 1
             head = load_head(task.head)
-            load_examples(task, head.weight.shape[0])
+            texts, labels = load_examples(task, head.weight.shape[0])
+            self._data[task.name] = (head, texts, labels)
+        self._tokenizer: Any = None
+        self._encoded: dict[str, list[dict[str, list[int]]]] = {}
 
     def evaluate(self, model_dir: Path) -> dict[str, float]:
         return evaluate_folder(self, model_dir, self.device)
 
     def evaluate_model(self, model: Any, tokenizer: Any) -> dict[str, float]:
-        scores = {}
+        score = self.example_scorer(model, tokenizer)
+        return {
+            name: math.fsum(score(name, range(len(labels)))) / len(labels)
+            for name, (_, _, labels) in self._data.items()
+        }
+
+    def examples(self) -> dict[str, TaskExamples]:
+        """Each task's example count, stratified by label."""
+        return {
+            name: TaskExamples(len(data[2]), tuple(data[2].tolist())) for name, data in self._data.items()
+        }
+
+    def example_scorer(self, model: Any, tokenizer: Any):
+        """``score(task, indices) -> [1.0 or 0.0 per example]``: whether the head gets each right."""
+        self._check_hidden_size(model)
+        if tokenizer is not self._tokenizer:
+            self._tokenizer, self._encoded = tokenizer, {}
+        pad_id = pad_token_id(tokenizer)
+
+        def score(task: str, indices: Sequence[int]) -> list[float]:
+            head, texts, labels = self._data[task]
+            if task not in self._encoded:
+                self._encoded[task] = encode_texts(tokenizer, texts, self.config.max_length)
+            rows = [self._encoded[task][i] for i in indices]
+            if not rows:
+                return []
+            pooled = pooled_encoded(model, rows, pad_id, self.config.batch_size, head.pooling)
+            right = head.logits(pooled).argmax(dim=-1) == labels[list(indices)]
+            return right.double().tolist()
+
+        return score
+
+    def _check_hidden_size(self, model: Any) -> None:
+        hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
         for task in self.config.tasks:
-            logits, labels = task_logits(
-                model, tokenizer, task, self.config.max_length, self.config.batch_size
-            )
-            scores[task.name] = accuracy(logits, labels)
-        return scores
+            head = self._data[task.name][0]
+            if hidden_size is not None and hidden_size != head.hidden_size:
+                raise TensorInputError(
+                    f"head {task.head} expects hidden size {head.hidden_size} but the model's is "
+                    f"{hidden_size}; use the head made for this encoder"
+                )

@@ -80,4 +80,39 @@ class PythonEvaluator:
         return as_per_task(self.function(Path(model_dir), **self.config.args), self.config.callable)
 
     def evaluate_model(self, model: Any, tokenizer: Any) -> dict[str, float]:
-        return as_per_task(self.function(model, tokenizer, **self.config.args), self.config.callable)
+        try:
+            result = self.function(model, tokenizer, **self.config.args)
+        except Exception as error:
+            if expects_folder(self.function):
+                raise ConfigError(
+                    f"evaluator callable {self.config.callable!r} seems to expect a model folder (its first "
+                    f"parameter is {first_parameter(self.function)!r}) but python evaluators now receive "
+                    "(model, tokenizer); add `input: folder` to the evaluator section to be given a folder"
+                ) from error
+            raise
+        return as_per_task(result, self.config.callable)
+
+
+FOLDER_WORDS = ("dir", "path", "folder", "checkpoint")
+
+
+def first_parameter(function: Callable[..., Any]) -> str | None:
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    return parameters[0].name if parameters else None
+
+
+def expects_folder(function: Callable[..., Any]) -> bool:
+    """Whether a function looks written to the folder contract ``fn(model_dir, ...)``: its first
+    parameter is named like a path, or annotated as one."""
+    import inspect
+
+    name = first_parameter(function)
+    if name is None:
+        return False
+    annotation = str(inspect.signature(function).parameters[name].annotation)
+    return any(word in name.lower() for word in FOLDER_WORDS) or "Path" in annotation

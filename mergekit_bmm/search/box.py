@@ -86,7 +86,7 @@ def edge_changes(
 ) -> list[BoxChange]:
     """The edges to widen now, given every finished trial (none before the initial points) and
     the changes made so far."""
-    finished = [record for record in records if record.ok and record.score is not None]
+    finished = [record for record in records if record.ok and record.full and record.score is not None]
     if len(records) < n_initial or not finished:
         return []
     last = max(record.trial for record in records)

@@ -57,6 +57,25 @@ class ParallelConfig(BaseModel):
     address: str | None = None  # ray: auto, ray://host:port, or empty for a local cluster
 
 
+class FidelityConfig(BaseModel):
+    """``fidelity:``: cheap-then-full evaluation and early stopping (docs/search.md, "Fidelity").
+
+    Each trial is first scored on a fixed, stratified ``cheap`` share of every task's
+    examples; only a trial whose cheap score plus ``promote_z`` standard errors reaches the
+    incumbent's full score is scored on the rest. With ``early_stop``, scoring stops once the
+    trial could not reach the incumbent even if every remaining example were right.
+    Evaluators that cannot score single examples (a python function) always score in full.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    cheap: float = Field(default=0.25, gt=0, le=1, description="share of each task's examples scored first")
+    promote_z: float = Field(default=2.0, ge=0, description="standard errors of slack for promotion")
+    early_stop: bool = True
+    chunk: int = Field(default=128, ge=1, description="examples scored between early-stop checks")
+
+
 class SearchConfig(BaseModel):
     """The fields of ``search.yml`` (docs/search.md gives each one's meaning)."""
 
@@ -79,6 +98,7 @@ class SearchConfig(BaseModel):
     widen_box: bool = True
     trials: Literal["auto", "memory", "disk"] = "auto"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    fidelity: FidelityConfig = Field(default_factory=FidelityConfig)
     evaluator: EvaluatorConfig
 
     @field_validator("recipe")
@@ -141,14 +161,15 @@ class SearchConfig(BaseModel):
         return self
 
     def experiment_key(self) -> dict[str, Any]:
-        """What defines the experiment: everything but the budget (which may grow on resume)
-        and where and how many trials run at once.
+        """What defines the experiment: everything but the budget (which may grow on resume),
+        where and how many trials run at once, and how much of the validation set they use.
 
         A grid's points depend on the budget, so there it stays in.
         """
         data = self.model_dump(mode="json")
         data.pop("trials")  # where trials run does not change their results
         data.pop("parallel")  # the log records each batch, so a search resumes with any number of workers
+        data.pop("fidelity")  # how much of the validation set a trial used is in its record
         if self.strategy != "grid":
             data.pop("budget")
         return data

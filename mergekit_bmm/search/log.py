@@ -39,10 +39,16 @@ class TrialRecord:
     batch: int | None = None  # the batch of proposals it belongs to (None: its own, as in a serial run)
     batch_size: int = 1
     worker: str = ""  # where it ran (parallel searches)
+    fidelity: dict[str, Any] | None = None  # staged evaluation: level (cheap/stopped/full), examples scored
 
     @property
     def ok(self) -> bool:
         return self.status == OK
+
+    @property
+    def full(self) -> bool:
+        """Scored on every validation example (only such a trial can be the best)."""
+        return self.fidelity is None or self.fidelity.get("level") == "full"
 
     def to_line(self) -> bytes:
         data = asdict(self)

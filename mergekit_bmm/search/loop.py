@@ -24,6 +24,7 @@ from mergekit_bmm.search.box import BoxChange, edge_changes
 from mergekit_bmm.search.config import SearchConfig
 from mergekit_bmm.search.errors import SearchStopped
 from mergekit_bmm.search.experiment import Experiment, prepare_experiment
+from mergekit_bmm.search.fidelity import Incumbent
 from mergekit_bmm.search.log import FAILED, OK, TrialRecord, append_event, append_trial
 from mergekit_bmm.search.plots import plot_convergence, plot_lambdas
 from mergekit_bmm.search.progress import SearchProgress
@@ -231,10 +232,15 @@ class SearchRun:
         """Run a batch's missing trials, log each as it finishes, tell the batch; return the tell's time."""
         size = len(batch.points)
         planned = []
+        incumbent = best_record(self.records + list(batch.done.values()))
         for index in batch.missing:
             values = batch.points[index - batch.start]
             trial = PlannedTrial(
-                index, values, self.experiment.recipes.text(values), self.folder.trial_yaml(index)
+                index,
+                values,
+                self.experiment.recipes.text(values),
+                self.folder.trial_yaml(index),
+                Incumbent.of(incumbent),
             )
             atomic_write_text(self.folder.root / trial.yaml, trial.text)
             planned.append(trial)
@@ -300,6 +306,8 @@ class SearchRun:
         score, error = None, outcome.error
         if error is None:
             score, error = score_of(outcome.per_task, self.evaluator.weights)
+        if error is None and outcome.fidelity and outcome.fidelity.get("estimate") is not None:
+            score = outcome.fidelity["estimate"]  # not scored in full: its estimated full score
         times = {key: round(value, 4) for key, value in outcome.times.items() if key != "round_trip"}
         times["surrogate"] = round(surrogate, 4)
         times["total"] = round(outcome.times.get("round_trip", sum(times.values())) + surrogate, 4)
@@ -318,6 +326,7 @@ class SearchRun:
             batch=batch.batch,
             batch_size=len(batch.points),
             worker=worker,
+            fidelity=outcome.fidelity,
         )
 
     # ------------------------------------------------------------------ outputs

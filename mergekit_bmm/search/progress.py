@@ -24,12 +24,18 @@ class SearchProgress:
             dynamic_ncols=True,
         )
         self.status: dict[str, str] = {}
+        self.full = 0  # trials of this run scored on every example (cheap-then-full evaluation)
 
     def show(self, best: TrialRecord | None, last: TrialRecord | None = None, workers: str = "") -> None:
         if best is not None:
             self.status["best"] = f"{best.score:.4f} (#{best.trial})"
         if last is not None:
-            self.status["last"] = f"{last.score:.4f}" if last.ok else "failed"
+            level = (last.fidelity or {}).get("level", "full")
+            shown = f"{last.score:.4f}" + ("" if level == "full" else f" ({level})") if last.ok else "failed"
+            self.status["last"] = shown
+            if last.fidelity:
+                self.full += level == "full"
+                self.status["full"] = str(self.full)
         if workers:
             self.status["workers"] = workers
         self.bar.set_postfix(self.status, refresh=True)

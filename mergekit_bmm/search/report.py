@@ -77,6 +77,8 @@ def format_report(
         "mean time per trial: "
         + ", ".join(f"{key} {times[key]:.2f} s" for key in ("merge", "evaluate", "surrogate"))
     )
+    if summary.fidelity:
+        lines.append(summary.fidelity["description"])
     best_model = summary.best_model and summary.best_model + "/"
     outputs = [summary.best_recipe, best_model, summary.convergence_plot, summary.lambda_plot]
     outputs = [item for item in outputs if item]

@@ -34,6 +34,7 @@ from mergekit_bmm.io.model_folder import model_type_of
 from mergekit_bmm.methods import observer
 from mergekit_bmm.methods.bmm import checked_output
 from mergekit_bmm.recipes import run as recipe_run
+from mergekit_bmm.search.fidelity import evaluate_trial
 from mergekit_bmm.search.space import SearchSpace
 from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome, run_stages
 
@@ -271,18 +272,22 @@ class ResidentModel:
 class ResidentTrials:
     """Runs trials on a :class:`ResidentModel`: merge in place, then score the live model."""
 
-    def __init__(self, resident: ResidentModel, evaluator: Any) -> None:
+    def __init__(self, resident: ResidentModel, evaluator: Any, fidelity: Any = None) -> None:
         self.resident = resident
         self.evaluator = evaluator
+        self.fidelity = fidelity
 
     def run(self, trial: PlannedTrial) -> TrialOutcome:
         resident = self.resident
+
+        def evaluate() -> Any:
+            return evaluate_trial(
+                self.evaluator, resident.model, resident.tokenizer, trial.incumbent, self.fidelity
+            )
+
         return run_stages(
             f"trial {trial.index}",
-            [
-                ("merge", lambda: resident.apply(trial.values)),
-                ("evaluate", lambda: self.evaluator.evaluate_model(resident.model, resident.tokenizer)),
-            ],
+            [("merge", lambda: resident.apply(trial.values)), ("evaluate", evaluate)],
         )
 
     def close(self) -> None:

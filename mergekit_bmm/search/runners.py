@@ -48,9 +48,11 @@ def choose_runner(
     mode: str,
     use_cache: bool,
     max_memory: int | None = None,
+    fidelity: Any = None,
 ) -> RunnerChoice:
-    """The runner for ``mode`` (``auto``, ``memory`` or ``disk``)."""
-    disk = DiskTrials(evaluator, work_dir, merge_options)
+    """The runner for ``mode`` (``auto``, ``memory`` or ``disk``); ``fidelity`` is search.yml's
+    ``fidelity:`` section (staged evaluation, :mod:`mergekit_bmm.search.fidelity`)."""
+    disk = DiskTrials(evaluator, work_dir, merge_options, fidelity)
     if mode == "disk":
         return RunnerChoice(disk, "disk")
     obstacle = memory_obstacle(experiment, evaluator, use_cache)
@@ -74,7 +76,7 @@ def choose_runner(
     seconds = time.perf_counter() - started
     plan = resident.plan
     echo(plan.describe() + f"\n  ready in {seconds:.1f} s")
-    return RunnerChoice(ResidentTrials(resident, evaluator), "memory", "", seconds, vars(plan))
+    return RunnerChoice(ResidentTrials(resident, evaluator, fidelity), "memory", "", seconds, vars(plan))
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ def open_pool(
             placement.trials,
             placement.use_cache,
             placement.max_memory,
+            placement.config.fidelity,
         )
         if choice.note:
             echo(choice.note)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, computed_field
 
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.io.versioned_json import read_versioned, write_versioned
+from mergekit_bmm.search.fidelity import fidelity_summary
 from mergekit_bmm.search.log import TrialRecord
 
 FORMAT_NAME = "mergekit-bmm-search-summary"
@@ -70,6 +71,7 @@ class SearchSummary(BaseModel):
     workers: int = 1  # trials run at once (parallel.workers)
     startup_seconds: float = 0.0  # loading the resident model and its factors
     memory_plan: dict[str, Any] | None = None  # bytes kept resident (trials: memory)
+    fidelity: dict[str, Any] | None = None  # cheap-then-full evaluation (search/fidelity.py)
     convergence_plot: str | None = None
     lambda_plot: str | None = None
     best_recipe: str | None = None
@@ -97,10 +99,12 @@ class SearchSummary(BaseModel):
 
 
 def best_record(records: Sequence[TrialRecord]) -> TrialRecord | None:
-    """The first trial with the highest score (ties keep the earlier one)."""
+    """The first fully scored trial with the highest score (ties keep the earlier one)."""
     best = None
     for record in records:
-        if record.ok and record.score is not None and (best is None or record.score > best.score):
+        if not (record.ok and record.full and record.score is not None):
+            continue
+        if best is None or record.score > best.score:
             best = record
     return best
 
@@ -158,6 +162,7 @@ def build_summary(
         epsilon_range=list(config.epsilon_range) if config.epsilon_range else None,
         acquisition=config.acquisition if config.strategy == "bo" else None,
         mean_seconds=mean_times(records),
+        fidelity=fidelity_summary(records),
         experiment_hash=experiment_hash,
         **outputs,
         **run,

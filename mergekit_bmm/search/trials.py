@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mergekit_bmm.errors import find_bmm_error
+from mergekit_bmm.evaluation.base import evaluate_folder
 from mergekit_bmm.recipes import run as recipe_run
+from mergekit_bmm.search.fidelity import Incumbent, StagedScores, evaluate_trial
 from mergekit_bmm.search.trial_recipes import text_sha256
 
 
@@ -34,6 +36,7 @@ class PlannedTrial:
     values: dict[str, float]
     text: str  # the recipe (YAML)
     yaml: str  # where the recipe is written, relative to OUT_PATH
+    incumbent: Incumbent | None = None  # the best full trial when it was planned (staged evaluation)
 
     @property
     def sha256(self) -> str:
@@ -49,6 +52,7 @@ class TrialOutcome:
     error: str | None = None
     times: dict[str, float] = field(default_factory=dict)
     traceback: str | None = None
+    fidelity: dict[str, Any] | None = None  # how far a staged evaluation went (search/fidelity.py)
 
 
 class TrialRunner(Protocol):
@@ -99,7 +103,10 @@ def run_stages(label: str, stages: Sequence[tuple[str, Callable[[], Any]]]) -> T
             )
             return outcome
         outcome.times[name] = clock() - tick
-    outcome.per_task = dict(result)
+    if isinstance(result, StagedScores):
+        outcome.per_task, outcome.fidelity = dict(result.per_task), result.record()
+    else:
+        outcome.per_task = dict(result)
     return outcome
 
 
@@ -117,10 +124,22 @@ def score_of(per_task: Mapping[str, float], weights: Mapping[str, float]) -> tup
 class DiskTrials:
     """``trials: disk``: mergekit writes each trial's model folder; the evaluator loads it."""
 
-    def __init__(self, evaluator: Any, work_dir: Path, options: Any) -> None:
+    def __init__(self, evaluator: Any, work_dir: Path, options: Any, fidelity: Any = None) -> None:
         self.evaluator = evaluator
         self.work_dir = Path(work_dir)
         self.options = options
+        self.fidelity = fidelity
+
+    def _evaluate(self, folder: Path, incumbent: Incumbent | None) -> Any:
+        evaluator = self.evaluator
+        if getattr(evaluator, "loading", None) is None:
+            return evaluator.evaluate(folder)
+        return evaluate_folder(
+            evaluator,
+            folder,
+            evaluator.device,
+            lambda model, tokenizer: evaluate_trial(evaluator, model, tokenizer, incumbent, self.fidelity),
+        )
 
     def run(self, trial: PlannedTrial) -> TrialOutcome:
         folder = self.work_dir / f"trial-{trial.index:04d}"
@@ -130,7 +149,7 @@ class DiskTrials:
                 f"trial {trial.index}",
                 [
                     ("merge", lambda: recipe_run.merge_recipe_text(trial.text, folder, self.options)),
-                    ("evaluate", lambda: self.evaluator.evaluate(folder)),
+                    ("evaluate", lambda: self._evaluate(folder, trial.incumbent)),
                 ],
             )
         finally:

@@ -80,6 +80,7 @@ class TrialWorker:
             spec.trials,
             spec.cache_dir is not None,
             spec.max_memory,
+            config.fidelity,
         )
         self.evaluator = evaluator
         self.ready = WorkerReady(

@@ -1,0 +1,225 @@
+"""Cheap-then-full evaluation: what is scored, when a trial is promoted or stopped, and that it
+neither changes a full score nor misleads the optimiser."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from mergekit_bmm.evaluation.base import TaskExamples
+from mergekit_bmm.search.fidelity import CHEAP, FULL, STOPPED, cheap_subset, staged_scores
+
+RULE = {"cheap": 0.25, "promote_z": 2.0, "early_stop": True, "chunk": 16}
+
+
+def _scorer(accuracy: dict[str, float], seed: int = 0):
+    """Per-example right/wrong with fixed per-example draws: example i is right iff u_i < p."""
+    draws = {task: np.random.default_rng([seed, len(task)]).random(400) for task in accuracy}
+    asked: list[tuple[str, list[int]]] = []
+
+    def score(task, indices):
+        asked.append((task, list(indices)))
+        return [float(draws[task][i] < accuracy[task]) for i in indices]
+
+    return score, draws, asked
+
+
+EXAMPLES = {"a": TaskExamples(400, tuple(i % 4 for i in range(400))), "b": TaskExamples(200)}
+
+
+def _full(draws, accuracy):
+    return {t: float(np.mean(draws[t][: EXAMPLES[t].count] < accuracy[t])) for t in accuracy}
+
+
+def test_cheap_subset_is_fixed_stratified_and_a_quarter():
+    first, again = cheap_subset(EXAMPLES, 0.25), cheap_subset(EXAMPLES, 0.25)
+    assert first == again  # the same examples for every trial and every worker
+    assert len(first["a"]) == 100 and len(first["b"]) == 50
+    assert [sum(1 for i in first["a"] if i % 4 == label) for label in range(4)] == [25] * 4
+
+
+def test_first_trial_is_scored_in_full_and_equals_the_plain_score():
+    accuracy = {"a": 0.7, "b": 0.4}
+    score, draws, _ = _scorer(accuracy)
+    result = staged_scores(EXAMPLES, score, {}, None, **RULE)
+    assert result.level == FULL and result.scored == result.total == 600
+    assert result.per_task == _full(draws, accuracy)  # exactly: the same examples, the same mean
+
+
+def test_values_pack_into_the_log_and_back():
+    from mergekit_bmm.search.fidelity import pack, unpack
+
+    bits = [1.0, 0.0, 0.0, 1.0, 1.0] * 41
+    assert isinstance(pack(bits), str) and unpack(pack(bits)) == bits
+    assert unpack(pack([0.0, 0.0])) == [0.0, 0.0] and unpack(pack([])) == []
+    assert unpack(pack([0.25, 1.0])) == [0.25, 1.0]
+
+
+def test_a_close_trial_is_judged_against_the_incumbent_on_the_same_examples():
+    """Paired: a trial that agrees with the incumbent on all but a few cheap examples is told
+    apart from it where an unpaired interval could not, and its estimate is incumbent + d."""
+    from mergekit_bmm.search.fidelity import Incumbent
+
+    examples = {"t": TaskExamples(400)}
+    draws = np.random.default_rng(3).random(400)
+    first = cheap_subset(examples, 0.25)["t"]
+    incumbent_values = [float(draws[i] < 0.8) for i in first]
+    worse = {i for i in first if draws[i] < 0.8}
+    worse = set(sorted(worse)[:4])  # the trial gets 4 of the incumbent's right cheap examples wrong
+
+    def score(task, indices):
+        return [float(draws[i] < 0.8 and i not in worse) for i in indices]
+
+    incumbent = Incumbent(0.8, {"t": incumbent_values}, 0.25)
+    paired = staged_scores(examples, score, {}, incumbent, **RULE)
+    assert paired.paired and paired.level == CHEAP and paired.scored == 100
+    assert paired.estimate == pytest.approx(0.8 - 4 / 100)
+    unpaired = staged_scores(examples, score, {}, 0.8, **RULE)
+    assert not unpaired.paired and unpaired.level != CHEAP  # within the unpaired band: promoted
+
+
+def test_a_clearly_worse_trial_stops_after_the_cheap_stage():
+    score, _, asked = _scorer({"a": 0.3, "b": 0.2})
+    result = staged_scores(EXAMPLES, score, {}, 0.8, **RULE)
+    assert result.level == CHEAP and result.scored == 150
+    assert {task for task, _ in asked} == {"a", "b"}
+    assert result.cheap_score + 2 * result.cheap_se < 0.8
+    assert result.record()["level"] == "cheap" and result.record()["scored"] == 150
+
+
+def test_a_close_trial_is_promoted_and_its_full_score_is_exact():
+    accuracy = {"a": 0.7, "b": 0.6}
+    score, draws, _ = _scorer(accuracy)
+    full = _full(draws, accuracy)
+    incumbent = (full["a"] + full["b"]) / 2 - 0.005  # just below: it must be scored in full
+    result = staged_scores(EXAMPLES, score, {}, incumbent, **RULE)
+    assert result.level == FULL and result.cheap_score is not None
+    assert result.per_task == full
+
+
+def test_early_stop_only_stops_trials_that_cannot_win():
+    """Every stopped trial's full score is at or below the incumbent (it could never have won)."""
+    rng = random.Random(0)
+    stopped = 0
+    for trial in range(40):
+        accuracy = {"a": rng.uniform(0.4, 0.9), "b": rng.uniform(0.4, 0.9)}
+        score, draws, _ = _scorer(accuracy, seed=trial)
+        full = _full(draws, accuracy)
+        incumbent = rng.uniform(0.55, 0.8)
+        result = staged_scores(EXAMPLES, score, {}, incumbent, 0.25, 0.0, True, 16)  # z = 0: promote freely
+        if result.level == STOPPED:
+            stopped += 1
+            assert (full["a"] + full["b"]) / 2 <= incumbent
+            assert result.scored < result.total and "examples" in result.stopped_at
+        elif result.level == FULL:
+            assert result.per_task == full
+    assert stopped > 0
+
+
+def test_weights_count_in_the_bound_and_the_score():
+    accuracy = {"a": 0.9, "b": 0.1}
+    score, draws, _ = _scorer(accuracy)
+    result = staged_scores(EXAMPLES, score, {"a": 3.0, "b": 1.0}, None, **RULE)
+    full = _full(draws, accuracy)
+    weighted = (3 * full["a"] + full["b"]) / 4
+    assert math.isclose((3 * result.per_task["a"] + result.per_task["b"]) / 4, weighted)
+
+
+def test_staged_search_finds_the_known_optimum_as_full_evaluation_does():
+    """A GP search (scikit-optimize, EI) on a known objective: accuracy peaks at x = 0.3.
+    Telling the optimiser cheap estimates for trials that stopped must not lead it astray."""
+    from skopt import Optimizer
+
+    examples = {"t": TaskExamples(400)}
+    draws = np.random.default_rng(1).random(400)
+
+    def run(staged: bool) -> tuple[float, int, float]:
+        from mergekit_bmm.search.fidelity import Incumbent
+
+        optimizer = Optimizer(
+            [(0.0, 1.0)], base_estimator="GP", acq_func="EI", n_initial_points=6, random_state=0
+        )
+        best_x, best, scored = None, None, 0
+        for _ in range(24):
+            (x,) = optimizer.ask()
+            p = 0.9 - 2.0 * (x - 0.3) ** 2
+
+            def score(task, indices, p=p):
+                return [float(draws[i] < p) for i in indices]
+
+            rule = RULE if staged else {"cheap": None, "promote_z": 0.0, "early_stop": False, "chunk": 400}
+            result = staged_scores(examples, score, {}, best, **rule)
+            value = result.per_task["t"] if result.level == FULL else result.estimate
+            scored += result.scored
+            optimizer.tell([x], -value)
+            if result.level == FULL and (best is None or value > best.score):
+                best, best_x = Incumbent(value, result.cheap_values, result.cheap), x
+        return best_x, scored, best.score
+
+    full_x, full_scored, full_best = run(False)
+    staged_x, staged_scored, staged_best = run(True)
+    assert abs(full_x - 0.3) < 0.12 and abs(staged_x - 0.3) < 0.12
+    assert staged_best >= full_best - 0.02  # within the noise of 400 examples
+    assert staged_scored < 0.6 * full_scored  # and it spent far fewer examples
+
+
+@pytest.mark.slow
+def test_a_classification_search_scores_in_stages_and_resumes(tmp_path):
+    """A real search: the first trial is full, later ones stop early where they cannot win, only
+    full trials can be best, the log and summary say so, and --full-eval gives the same full scores."""
+    from test_evaluators import write_head
+    from test_search import make_config, quiet
+
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
+    from mergekit_bmm.search.log import read_trials
+    from mergekit_bmm.search.loop import run_search
+
+    family = make_tiny_family(tmp_path / "family", "llama", n_experts=3, hidden=16, layers=2)
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "merge", "model", "expert", "task"]
+    data = tmp_path / "task.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"text": " ".join(rng.choices(words, k=6)), "label": i % 3, "split": "validation"})
+            + "\n"
+            for i in range(240)
+        )
+    )
+    head = write_head(tmp_path / "head.safetensors", 16, classes=3)
+    evaluator = {
+        "type": "classification",
+        "max_length": 16,
+        "batch_size": 32,
+        "tasks": [{"name": "t", "head": str(head), "data": str(data), "split": "validation"}],
+    }
+    fields = {"strategy": "random", "budget": 8, "fidelity": {"cheap": 0.25, "promote_z": 1.0, "chunk": 30}}
+    staged = run_search(make_config(family, evaluator, **fields), tmp_path / "staged", quiet(skip_best=True))
+    records, _ = read_trials(tmp_path / "staged" / "trials.jsonl")
+    assert records[0].fidelity["level"] == "full" and records[0].fidelity["scored"] == 240
+    assert all(r.fidelity and r.fidelity["total"] == 240 for r in records)
+    best = staged.summary.best_trial
+    assert records[best].fidelity["level"] == "full"
+    assert all(r.score <= records[best].score for r in records if r.fidelity["level"] == "full")
+    summary = staged.summary.fidelity
+    assert summary["trials"] == 8 and summary["full"] + summary["cheap_only"] + summary["stopped_early"] == 8
+    assert summary["examples_scored"] == sum(r.fidelity["scored"] for r in records)
+    assert "cheap-then-full evaluation" in staged.report
+
+    plain = make_config(family, evaluator, **{**fields, "fidelity": {"enabled": False}})
+    full = run_search(plain, tmp_path / "full", quiet(skip_best=True)).records
+    assert [r.values for r in full] == [r.values for r in records]  # same seed, same points
+    for ours, reference in zip(records, full):
+        if ours.fidelity["level"] == "full":
+            assert ours.score == reference.score  # a full score is the plain score, exactly
+        else:
+            assert reference.score <= records[best].score or ours.fidelity["level"] == "cheap"
+    assert full[0].fidelity is None  # evaluated as before: no staged record
+
+    resumed = run_search(
+        make_config(family, evaluator, **{**fields, "budget": 10}), tmp_path / "staged", quiet(skip_best=True)
+    )
+    assert len(resumed.records) == 10 and resumed.replayed == 8
