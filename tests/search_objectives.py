@@ -94,3 +94,14 @@ def sleeps(model, tokenizer, seconds: float) -> float:
 
 
 _calls: list[int] = []
+
+
+def hangs_once(model, tokenizer, marker: str, seconds: float = 600.0) -> dict[str, float]:
+    """Hangs (sleeps ``seconds``) on its first call anywhere, marked by creating ``marker``;
+    later calls, in any process, score like ``per_task_scores``."""
+    import time
+
+    if not Path(marker).exists():
+        Path(marker).write_text("hung")
+        time.sleep(seconds)
+    return per_task_scores(model, tokenizer)

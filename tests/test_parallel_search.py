@@ -104,24 +104,56 @@ def test_a_killed_local_worker_loses_no_trial(family, tmp_path):
     assert [r.per_task for r in records] == [r.per_task for r in reference.records]
 
 
-def test_ctrl_c_stops_the_search_and_its_workers(family, tmp_path):
-    search_file = tmp_path / "search.yml"
-    raw = config_dict(family, "sleeps", strategy="random", budget=8, args={"seconds": 30})
-    search_file.write_text(yaml.safe_dump(raw))
-    out = tmp_path / "out"
-    driver = subprocess.Popen(
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_trial_past_its_time_limit_fails_and_the_search_goes_on(family, tmp_path, workers):
+    """One evaluation hangs: it is stopped at its limit (its worker killed and restarted, or, in a
+    serial search, interrupted), recorded failed with the reason, and the search finishes its budget."""
+    marker = tmp_path / "hung"
+    started = time.perf_counter()
+    result = search(
+        family, tmp_path / "out", strategy="random", budget=4, workers=workers, trial_timeout=3,
+        function="hangs_once", args={"marker": str(marker), "seconds": 120},
+    )  # fmt: skip
+    assert time.perf_counter() - started < 100  # nobody waited for the 120 s hang
+    records, _ = read_trials(tmp_path / "out" / "trials.jsonl")
+    assert [r.trial for r in records] == list(range(4))
+    failed = [r for r in records if not r.ok]
+    assert len(failed) == 1 and failed[0].error.startswith("timeout: the trial ran past its limit of 3 s")
+    assert all(r.ok for r in records if r is not failed[0])
+    assert result.summary.status == "finished" and result.summary.failed_trials == 1
+
+
+def _start_driver(search_file: Path, out: Path, sigint: str) -> subprocess.Popen:
+    """The search command as a child process. ``sigint`` is what the child starts with:
+    ``default`` (what a terminal's Ctrl-C reaches, whatever the test runner inherited: a runner
+    started in the background of a non-interactive shell ignores SIGINT and would pass that on)
+    or ``ignored`` (a background job's)."""
+    handler = signal.SIG_DFL if sigint == "default" else signal.SIG_IGN
+    return subprocess.Popen(
         [str(BIN / "mergekit-bmm-search"), str(search_file), str(out), "--quiet"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, handler),
     )
+
+
+@pytest.mark.parametrize(("sigint", "stop"), [("default", signal.SIGINT), ("ignored", signal.SIGTERM)])
+def test_ctrl_c_stops_the_search_and_its_workers(family, tmp_path, sigint, stop):
+    """Ctrl-C stops a search and its workers; a search that ignores SIGINT (a background job)
+    stops the same way on SIGTERM. Holds however the test runner itself was started."""
+    search_file = tmp_path / "search.yml"
+    raw = config_dict(family, "sleeps", strategy="random", budget=8, args={"seconds": 30})
+    search_file.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    driver = _start_driver(search_file, out, sigint)
     deadline = time.time() + 240
     while time.time() < deadline and not (out / "trials" / "trial-0001.yml").exists():
         time.sleep(0.5)
     assert (out / "trials" / "trial-0001.yml").exists(), driver.stderr.read() if driver.poll() else ""
     workers = _worker_pids()
     assert len(workers) == 2
-    driver.send_signal(signal.SIGINT)
+    driver.send_signal(stop)
     _, stderr = driver.communicate(timeout=120)
     assert driver.returncode == 130, stderr[-2000:]
     assert "Run the same command again to resume" in stderr
@@ -165,3 +197,16 @@ def test_ray_actors_score_points_as_the_serial_search_does_and_survive_a_kill(fa
     serial = search(family, tmp_path / "serial", strategy="random", budget=6, workers=1)
     assert [r.values for r in records] == [r.values for r in serial.records]
     assert [r.per_task for r in records] == [r.per_task for r in serial.records]
+
+
+def test_a_ray_trial_past_its_time_limit_fails_and_its_actor_is_replaced(family, tmp_path, ray_cluster):
+    marker = tmp_path / "hung"
+    result = search(
+        family, tmp_path / "ray", strategy="random", budget=4, backend="ray", trial_timeout=5,
+        function="hangs_once", args={"marker": str(marker), "seconds": 120},
+    )  # fmt: skip
+    records, _ = read_trials(tmp_path / "ray" / "trials.jsonl")
+    assert [r.trial for r in records] == list(range(4))
+    failed = [r for r in records if not r.ok]
+    assert len(failed) == 1 and failed[0].error.startswith("timeout: the trial ran past its limit of 5 s")
+    assert result.summary.status == "finished"

@@ -99,6 +99,7 @@ class SearchConfig(BaseModel):
     trials: Literal["auto", "memory", "disk"] = "auto"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     fidelity: FidelityConfig = Field(default_factory=FidelityConfig)
+    trial_timeout: float | Literal["auto"] | None = "auto"  # seconds per trial (search/timeouts.py)
     evaluator: EvaluatorConfig
 
     @field_validator("recipe")
@@ -120,6 +121,13 @@ class SearchConfig(BaseModel):
                 if group in seen:
                     raise ValueError(f"group {group!r} is listed twice")
                 seen.add(group)
+        return value
+
+    @field_validator("trial_timeout")
+    @classmethod
+    def _positive_timeout(cls, value: float | str | None) -> float | str | None:
+        if isinstance(value, (int, float)) and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"trial_timeout must be a positive number of seconds, auto or null; got {value}")
         return value
 
     @field_validator("lambda_range")
@@ -170,6 +178,7 @@ class SearchConfig(BaseModel):
         data.pop("trials")  # where trials run does not change their results
         data.pop("parallel")  # the log records each batch, so a search resumes with any number of workers
         data.pop("fidelity")  # how much of the validation set a trial used is in its record
+        data.pop("trial_timeout")  # a trial that timed out is recorded failed, with the reason
         if self.strategy != "grid":
             data.pop("budget")
         return data

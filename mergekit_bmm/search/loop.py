@@ -36,6 +36,7 @@ from mergekit_bmm.search.snapshot import load_snapshot, save_snapshot
 from mergekit_bmm.search.space import SearchSpace
 from mergekit_bmm.search.strategies import make_proposer
 from mergekit_bmm.search.summary import AnchorScore, SearchSummary, best_record, build_summary, write_summary
+from mergekit_bmm.search.timeouts import trial_limit
 from mergekit_bmm.search.trials import ErrorLog, PlannedTrial, TrialOutcome, score_of
 
 LOG = logging.getLogger("mergekit_bmm.search")
@@ -233,6 +234,7 @@ class SearchRun:
         size = len(batch.points)
         planned = []
         incumbent = best_record(self.records + list(batch.done.values()))
+        limit = trial_limit(self.config.trial_timeout, self.records + list(batch.done.values()))
         for index in batch.missing:
             values = batch.points[index - batch.start]
             trial = PlannedTrial(
@@ -241,6 +243,7 @@ class SearchRun:
                 self.experiment.recipes.text(values),
                 self.folder.trial_yaml(index),
                 Incumbent.of(incumbent),
+                limit,
             )
             atomic_write_text(self.folder.root / trial.yaml, trial.text)
             planned.append(trial)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from mergekit_bmm.search.timeouts import TrialTimeout, alarm, timeout_error
 from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome, TrialRunner
 from mergekit_bmm.search.workers import WorkerReady, WorkerSpec
 
@@ -58,6 +59,13 @@ def worker_devices(device: str, count: int) -> list[tuple[str, int | None]]:
     return [(device, max(1, cores // count))] * count
 
 
+def _time_left(busy: Sequence[_Process]) -> float | None:
+    """Seconds until the first busy worker's trial reaches its limit (None: no limit)."""
+    now = time.perf_counter()
+    left = [w.started + w.trial.timeout - now for w in busy if w.trial is not None and w.trial.timeout]
+    return max(0.0, min(left)) if left else None
+
+
 class SerialPool:
     """One runner in this process: the search with one worker."""
 
@@ -70,7 +78,11 @@ class SerialPool:
     def run(self, trials: Sequence[PlannedTrial]) -> Iterator[tuple[PlannedTrial, TrialOutcome, str]]:
         for trial in trials:
             sent = time.perf_counter()
-            outcome = self.runner.run(trial)
+            try:
+                with alarm(trial.timeout):
+                    outcome = self.runner.run(trial)
+            except TrialTimeout:
+                outcome = TrialOutcome(error=timeout_error(trial.timeout, restarted=False))
             outcome.times["round_trip"] = time.perf_counter() - sent
             yield trial, outcome, "main"
 
@@ -171,7 +183,11 @@ class LocalPool:
                     worker.connection.send(("run", worker.trial))
             busy = [worker for worker in self._processes if worker.trial is not None]
             handles = {worker.connection: worker for worker in busy}
-            for handle in wait(list(handles)):
+            ready = wait(list(handles), timeout=_time_left(busy))
+            if not ready:
+                yield from self._stop_late(busy)
+                continue
+            for handle in ready:
                 worker = handles[handle]
                 message = self._receive(worker)
                 if message is not None and message[0] == "done":
@@ -202,6 +218,25 @@ class LocalPool:
             queue.appendleft(trial)
         else:
             yield trial, lost(trial, why), worker.label
+
+    def _stop_late(self, busy: list[_Process]) -> Iterator[tuple[PlannedTrial, TrialOutcome, str]]:
+        """Kill and restart every worker whose trial ran past its limit; the trial fails."""
+        now = time.perf_counter()
+        for worker in busy:
+            trial = worker.trial
+            if trial is None or trial.timeout is None or now - worker.started < trial.timeout:
+                continue
+            worker.trial = None
+            worker.process.kill()
+            worker.process.wait()
+            worker.connection.close()
+            limit = f"{trial.timeout:.0f} s"
+            self.echo(f"trial {trial.index} ran past its {limit} limit; restarting {worker.label}")
+            self._start(worker)
+            self._await_ready(worker)
+            outcome = TrialOutcome(error=timeout_error(trial.timeout, restarted=True))
+            outcome.times["round_trip"] = now - worker.started
+            yield trial, outcome, worker.label
 
     def status(self) -> str:
         cells = []

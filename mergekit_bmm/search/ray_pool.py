@@ -17,8 +17,16 @@ from typing import Any
 
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.search.pools import ATTEMPTS, lost, worker_devices
+from mergekit_bmm.search.timeouts import timeout_error
 from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome
 from mergekit_bmm.search.workers import TrialWorker, WorkerReady, WorkerSpec
+
+
+def _time_left(pending) -> float | None:
+    """Seconds until the first pending trial reaches its limit (None: no limit)."""
+    now = time.perf_counter()
+    left = [sent + trial.timeout - now for _, trial, sent in pending if trial.timeout]
+    return max(0.0, min(left)) if left else None
 
 
 class TrialActor:
@@ -74,6 +82,7 @@ class RayPool:
             max_task_retries=ATTEMPTS - 1,
         )
         worker_spec = spec.on_device(device, threads)
+        self._actor, self._worker_spec = actor, worker_spec
         # The first actor fills bmm's factor cache; the others start once it has, and read it.
         self._actors = [actor.remote(worker_spec)]
         self.ready = self._get(self._actors[0].ready.remote())
@@ -99,7 +108,11 @@ class RayPool:
                 slot, trial = idle.pop(0), queue.pop(0)
                 pending[self._actors[slot].run.remote(trial)] = (slot, trial, time.perf_counter())
                 self._busy[slot] = trial
-            (done,), _ = ray.wait(list(pending), num_returns=1)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=_time_left(pending.values()))
+            if not ready:
+                yield from self._stop_late(pending, idle)
+                continue
+            (done,) = ready
             slot, trial, sent = pending.pop(done)
             self._busy.pop(slot, None)
             idle.append(slot)
@@ -110,6 +123,25 @@ class RayPool:
                 self.echo(f"{why}; Ray restarts it")
                 outcome = lost(trial, why)
             outcome.times["round_trip"] = time.perf_counter() - sent
+            yield trial, outcome, f"a{slot}"
+
+    def _stop_late(
+        self, pending: dict[Any, tuple[int, PlannedTrial, float]], idle: list[int]
+    ) -> Iterator[tuple[PlannedTrial, TrialOutcome, str]]:
+        """Replace every actor whose trial ran past its limit with a fresh one; the trial fails."""
+        now = time.perf_counter()
+        for reference, (slot, trial, sent) in list(pending.items()):
+            if trial.timeout is None or now - sent < trial.timeout:
+                continue
+            del pending[reference]
+            self.ray.kill(self._actors[slot], no_restart=True)
+            self.echo(f"trial {trial.index} ran past its {trial.timeout:.0f} s limit; replacing a{slot}")
+            self._actors[slot] = self._actor.remote(self._worker_spec)
+            self._get(self._actors[slot].ready.remote())
+            self._busy.pop(slot, None)
+            idle.append(slot)
+            outcome = TrialOutcome(error=timeout_error(trial.timeout, restarted=True))
+            outcome.times["round_trip"] = now - sent
             yield trial, outcome, f"a{slot}"
 
     def status(self) -> str:

@@ -37,6 +37,7 @@ class PlannedTrial:
     text: str  # the recipe (YAML)
     yaml: str  # where the recipe is written, relative to OUT_PATH
     incumbent: Incumbent | None = None  # the best full trial when it was planned (staged evaluation)
+    timeout: float | None = None  # seconds it may run (search/timeouts.py)
 
     @property
     def sha256(self) -> str:
