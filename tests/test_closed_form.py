@@ -163,3 +163,21 @@ def test_bad_inputs_raise_clear_errors():
         cf.merge_matrix(equations, torch.zeros(4, 3), 0.1)
     with pytest.raises(TensorInputError, match="Gram"):
         cf.activation_equations([torch.randn(3, 4)], [torch.eye(3)])
+
+
+def test_a_tiny_positive_ridge_on_an_anisotropic_gram_is_named_not_called_lambda_zero(caplog, monkeypatch):
+    """λ' = λ·mean eigenvalue below the Gram's numerical zero takes the λ → 0⁺ limit, and the one
+    log line names that ridge instead of claiming λ was 0."""
+    monkeypatch.setattr(cf, "_noted_limit", False)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=generator) * torch.logspace(
+        0, -6, 64
+    )  # rank 8, eigenvalues span 12 decades
+    equations = cf.NormalEquations(x.T @ x, torch.randn(4, 8, generator=generator) @ x)
+    anchor = torch.randn(4, 64, generator=generator)
+    factors = cf.eigen_factors(equations, anchor, torch.float32)  # a float32 solve, as in a trial
+    with caplog.at_level("WARNING", logger="mergekit_bmm"):
+        merged = cf.solve_from_factors(factors, factors.ridge(1e-6, "relative"))
+    assert torch.isfinite(merged).all()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "a ridge lambda' = " in line and "lambda 0 with" not in line

@@ -608,3 +608,16 @@ def test_a_box_that_is_too_small_widens_and_says_so(family, target, tmp_path):
     )
     assert not read_events(tmp_path / "fixed" / "trials.jsonl") and fixed.summary.box_changes == []
     assert all(min(v for k, v in r.values.items() if "scale" not in k) >= 0.3 for r in fixed.records)
+
+
+def test_the_report_lists_what_the_search_does_not_tune(family, tmp_path):
+    """Groups left out stay at the recipe's λ; 2-D weights outside every group keep the anchor's value."""
+    evaluator = python_evaluator("per_task_scores")
+    config = make_config(family, evaluator, strategy="random", budget=1, groups=["attn_in", "mlp_out"])
+    result = run_search(config, tmp_path / "out", quiet(skip_best=True, plots=False))
+    assert result.summary.not_searched["groups"] == {"attn_out": 0.1, "mlp_in": 0.1}
+    assert "model.embed_tokens.weight" in result.summary.not_searched["anchor_kept"]
+    assert not any(".layers." in name for name in result.summary.not_searched["anchor_kept"])
+    assert "not searched, at the recipe's lambda: attn_out (lambda 0.1), mlp_in (lambda 0.1)" in result.report
+    kept = "outside every module group, kept at the anchor's value: lm_head.weight, model.embed_tokens.weight"
+    assert kept in result.report

@@ -172,13 +172,24 @@ def effective_ridge(lam: float, equations: NormalEquations, mode: LambdaMode = "
 _noted_limit = False
 
 
-def _note_zero_ridge_limit() -> None:
-    """Say once per process that λ' = 0 met a rank-deficient ``G`` and the λ' → 0⁺ limit was used."""
+def _note_zero_ridge_limit(ridge: float, tolerance: float) -> None:
+    """Say once per process that a ridge at or below ``G``'s numerical zero met a rank-deficient
+    ``G`` and the λ' → 0⁺ limit was used.
+
+    A positive λ gets here too: a small relative λ on a strongly anisotropic Gram (activation
+    Grams of real models span many decades) gives a ridge λ' = λ·mean eigenvalue below the
+    numerical zero ``eps · λ_max · d_in``; the message says so rather than "lambda 0".
+    """
     global _noted_limit
     if not _noted_limit:
         _noted_limit = True
+        what = (
+            "lambda 0"
+            if ridge == 0
+            else f"a ridge lambda' = {ridge:.3g} at or below the Gram's numerical zero ({tolerance:.3g})"
+        )
         logging.getLogger("mergekit_bmm").warning(
-            "bmm: lambda 0 with a rank-deficient Gram: directions the data do not reach keep the "
+            f"bmm: {what} with a rank-deficient Gram: directions the data do not reach keep the "
             "anchor (the lambda -> 0+ limit, docs/numerics.md); said once"
         )
 
@@ -301,9 +312,10 @@ def factor_coefficients(factors: EigenFactors, ridge: float) -> torch.Tensor:
             eigenvalues = eigenvalues.clamp_min(0.0)
             kept = torch.ones_like(eigenvalues, dtype=torch.bool)
         else:
-            kept = eigenvalues > zero_tolerance(float(eigenvalues.max()), factors.d_in, compute)
+            tolerance = zero_tolerance(float(eigenvalues.max()), factors.d_in, compute)
+            kept = eigenvalues > tolerance
             if not bool(kept.all()):
-                _note_zero_ridge_limit()
+                _note_zero_ridge_limit(ridge, tolerance)
         denominator = torch.where(kept, eigenvalues + ridge, torch.ones_like(eigenvalues))
         data_weight = torch.where(kept, 1.0 / denominator, torch.zeros_like(eigenvalues))
         anchor_weight = torch.where(kept, ridge / denominator, torch.ones_like(eigenvalues))

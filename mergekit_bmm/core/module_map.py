@@ -17,6 +17,7 @@ checkpoint's ``model_type`` when it is known.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -170,3 +171,9 @@ def filter_rules(names: list[str] | tuple[str, ...]) -> list[GroupRule]:
         if info is not None:
             used.add(info.pattern)
     return [rule for rule in RULES if rule.pattern in used]
+
+
+def outside_groups(shapes: Mapping[str, Sequence[int]], model_type: str | None = None) -> list[str]:
+    """The 2-D weights no module group covers (embeddings, a BERT pooler, a head): bmm does not
+    solve them, they keep the anchor's value."""
+    return [name for name, shape in shapes.items() if len(shape) == 2 and classify(name, model_type) is None]

@@ -78,3 +78,15 @@ def weight_names_of(reference: str | Path) -> list[str]:
     if not names:
         raise ConfigError(f"no .safetensors weights in {directory}")
     return names
+
+
+def weight_shapes_of(reference: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a local checkpoint (safetensors headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(model_dir(reference).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mergekit_bmm.core.module_map import filter_rules, outside_groups
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.io.fingerprint import model_fingerprint
-from mergekit_bmm.io.model_folder import weight_names_of
+from mergekit_bmm.io.model_folder import model_type_of, weight_names_of, weight_shapes_of
 from mergekit_bmm.recipes.parse import mergekit_configuration
 from mergekit_bmm.search.config import SearchConfig, canonical_hash, load_template
 from mergekit_bmm.search.space import SearchSpace
@@ -30,6 +31,7 @@ class Experiment:
     definition: dict[str, Any]
     hash: str
     recipes: TrialRecipes
+    not_searched: dict[str, Any]  # what the search does not tune (the summary and report list it)
 
     @property
     def base_model(self) -> str:
@@ -56,7 +58,27 @@ def prepare_experiment(config: SearchConfig, cache_dir: Path | None) -> Experime
     }
     recipes = TrialRecipes(template, space, weight_names, cache_dir)
     _check_with_mergekit(recipes, space)
-    return Experiment(config, template, weight_names, space, definition, canonical_hash(definition), recipes)
+    return Experiment(
+        config,
+        template,
+        weight_names,
+        space,
+        definition,
+        canonical_hash(definition),
+        recipes,
+        not_searched_of(base, weight_names, space),
+    )
+
+
+def not_searched_of(base: str, weight_names: list[str], space: SearchSpace) -> dict[str, Any]:
+    """Module groups the search leaves at the recipe's λ, and 2-D weights outside every group
+    (they keep the anchor's value)."""
+    present = {rule.group.value for rule in filter_rules(weight_names) if rule.group is not None}
+    searched = {group for entry in space.groups for group in entry.split("+")}
+    return {
+        "groups": {group: space.fixed_lambda for group in sorted(present - searched)},
+        "anchor_kept": outside_groups(weight_shapes_of(base), model_type_of(base)),
+    }
 
 
 def middle_of(space: SearchSpace) -> dict[str, float]:

@@ -357,6 +357,7 @@ class SearchRun:
             outputs=outputs,
             box=self.experiment.space.ranges(),
             box_changes=[vars(change) for change in self.box_changes],
+            not_searched=self.experiment.not_searched,
             **self._placement_summary(),
         )
 

@@ -79,6 +79,7 @@ def format_report(
     )
     if summary.fidelity:
         lines.append(summary.fidelity["description"])
+    lines.extend(not_searched_lines(summary.not_searched))
     best_model = summary.best_model and summary.best_model + "/"
     outputs = [summary.best_recipe, best_model, summary.convergence_plot, summary.lambda_plot]
     outputs = [item for item in outputs if item]
@@ -101,3 +102,17 @@ def _duration(seconds: float) -> str:
         return f"{minutes}m{seconds:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
+
+
+def not_searched_lines(not_searched: dict) -> list[str]:
+    """What the search left alone: groups at the recipe's λ, weights that keep the anchor's value."""
+    lines = []
+    groups = not_searched.get("groups") or {}
+    if groups:
+        fixed = ", ".join(f"{group} (lambda {value:g})" for group, value in groups.items())
+        lines.append(f"not searched, at the recipe's lambda: {fixed}")
+    kept = not_searched.get("anchor_kept") or []
+    if kept:
+        shown = ", ".join(kept[:4]) + (f", ... ({len(kept)} in all)" if len(kept) > 4 else "")
+        lines.append(f"outside every module group, kept at the anchor's value: {shown}")
+    return lines

@@ -72,6 +72,7 @@ class SearchSummary(BaseModel):
     startup_seconds: float = 0.0  # loading the resident model and its factors
     memory_plan: dict[str, Any] | None = None  # bytes kept resident (trials: memory)
     fidelity: dict[str, Any] | None = None  # cheap-then-full evaluation (search/fidelity.py)
+    not_searched: dict[str, Any] = Field(default_factory=dict)  # groups at the recipe's λ; weights kept
     convergence_plot: str | None = None
     lambda_plot: str | None = None
     best_recipe: str | None = None
