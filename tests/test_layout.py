@@ -1,4 +1,4 @@
-"""The package's shape: the mathematics works without mergekit; docs links resolve."""
+"""The package's shape: the mathematics works without mergekit; imports point down; docs links resolve."""
 
 from __future__ import annotations
 
@@ -48,3 +48,34 @@ def test_every_relative_link_in_the_docs_resolves():
             if not target.exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {link}")
     assert not broken, broken
+
+
+def _imports(folder: str) -> set[str]:
+    """The mergekit_bmm modules a folder's files import (at module level or inside functions)."""
+    import ast
+
+    found = set()
+    for path in (ROOT / "mergekit_bmm" / folder).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mergekit_bmm"):
+                found.add(node.module)
+    return found
+
+
+def test_dependencies_point_down_the_pipeline():
+    """No import circles: the methods never ask the plugin (it registers them), and inside the
+    search, pools and workers never import what places them."""
+    import ast
+
+    assert not {m for m in _imports("methods") if m.startswith("mergekit_bmm.plugin")}
+    search = {}
+    for name in ("runners", "workers", "pools"):
+        tree = ast.parse((ROOT / "mergekit_bmm" / "search" / f"{name}.py").read_text(encoding="utf-8"))
+        imported = {
+            node.module.rsplit(".", 1)[-1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mergekit_bmm.search.")
+        }
+        assert not imported & {"placement", "pools", "ray_pool"}, (name, imported)
+        search[name] = imported
+    assert "workers" not in search["runners"] and "pools" not in search["workers"]

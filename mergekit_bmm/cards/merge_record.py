@@ -85,7 +85,7 @@ def weight_hashes(folder: Path, show_progress: bool = False) -> dict[str, str]:
 
 
 def _versions() -> tuple[str, str]:
-    from mergekit_bmm.plugin import versions
+    from mergekit_bmm.io.versions import versions
 
     found = versions()
     return found["mergekit_bmm"], found["mergekit"]

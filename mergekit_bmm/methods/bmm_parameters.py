@@ -33,7 +33,7 @@ ANCHOR_PREFIX = "anchor_"
 
 
 def _known_anchor(value: str) -> str:
-    from mergekit_bmm.plugin.registration import registered_names
+    from mergekit_bmm.methods.registry import registered_names
 
     names = registered_names() - {"bmm"}
     if value == PRETRAINED_ANCHOR or value in names:

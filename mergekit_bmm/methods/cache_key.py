@@ -42,7 +42,7 @@ SAMPLE_RUN = 256
 
 @lru_cache(maxsize=1)
 def _versions() -> dict[str, str]:
-    from mergekit_bmm.plugin import versions
+    from mergekit_bmm.io.versions import versions
 
     return versions()
 

@@ -84,8 +84,7 @@ def method_names() -> frozenset[str]:
 
 
 def versions() -> dict[str, str]:
-    """The plugin's and mergekit's versions, as records and cache keys store them."""
-    from mergekit_bmm import __version__
-    from mergekit_bmm.plugin.patches import mergekit_version
+    """The plugin's and mergekit's versions (kept here for callers of the earlier location)."""
+    from mergekit_bmm.io.versions import versions as current
 
-    return {"mergekit_bmm": __version__, "mergekit": mergekit_version()}
+    return current()

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mergekit_bmm.io.versions import mergekit_version
+
 LOG = logging.getLogger("mergekit_bmm")
 
 SUPPORTED_MERGEKIT = ("0.1.5",)
@@ -66,15 +68,6 @@ class Patch:
         for part in self.attribute.split("."):
             module = getattr(module, part, None)
         return module
-
-
-def mergekit_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("mergekit")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _fully_loaded(module_name: str) -> Any | None:

@@ -6,6 +6,8 @@ more than once per process (start-up hook, explicit activation, tests), so check
 
 from __future__ import annotations
 
+from mergekit_bmm.methods.registry import registered_names
+
 PLUGIN_METHOD_NAMES = frozenset({"bmm", "tsv", "iso_c", "iso_cts", "wudi", "regmean"})
 
 
@@ -18,13 +20,6 @@ def plugin_methods() -> tuple:
     from mergekit_bmm.methods.wudi import WUDIMerge
 
     return (BMMMerge(), TSVMerge(), IsoCMerge(), IsoCTSMerge(), WUDIMerge(), RegMeanMerge())
-
-
-def registered_names() -> frozenset[str]:
-    """Names of every method mergekit knows now."""
-    from mergekit.merge_methods import registered_methods
-
-    return frozenset(method.spec.name for method in registered_methods())
 
 
 def register_all() -> tuple[str, ...]:

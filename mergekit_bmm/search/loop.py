@@ -26,12 +26,12 @@ from mergekit_bmm.search.errors import SearchStopped
 from mergekit_bmm.search.experiment import Experiment, prepare_experiment
 from mergekit_bmm.search.fidelity import Incumbent
 from mergekit_bmm.search.log import FAILED, OK, TrialRecord, append_event, append_trial
+from mergekit_bmm.search.placement import Placement, open_pool
 from mergekit_bmm.search.plots import plot_convergence, plot_lambdas
 from mergekit_bmm.search.progress import SearchProgress
 from mergekit_bmm.search.replay import OpenBatch, Replayed, replay
 from mergekit_bmm.search.report import format_report
 from mergekit_bmm.search.run_folder import RunFolder
-from mergekit_bmm.search.runners import Placement, open_pool
 from mergekit_bmm.search.snapshot import load_snapshot, save_snapshot
 from mergekit_bmm.search.space import SearchSpace
 from mergekit_bmm.search.strategies import make_proposer

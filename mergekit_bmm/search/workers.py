@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_bmm.errors import BMMError, find_bmm_error
+from mergekit_bmm.search.runners import choose_runner
 from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome
 
 
@@ -61,7 +62,6 @@ class TrialWorker:
         from mergekit_bmm.plugin import activate
         from mergekit_bmm.search.config import parse_search_config
         from mergekit_bmm.search.experiment import prepare_experiment
-        from mergekit_bmm.search.runners import choose_runner
 
         if spec.threads:
             torch.set_num_threads(spec.threads)
