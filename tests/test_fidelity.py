@@ -223,3 +223,32 @@ def test_a_classification_search_scores_in_stages_and_resumes(tmp_path):
         make_config(family, evaluator, **{**fields, "budget": 10}), tmp_path / "staged", quiet(skip_best=True)
     )
     assert len(resumed.records) == 10 and resumed.replayed == 8
+
+
+@pytest.mark.slow
+def test_lm_eval_scores_single_documents_as_it_scores_the_task(tmp_path, monkeypatch):
+    """lm-eval's per-document accuracies (its `samples`) average to its own task score, so a
+    staged evaluation that reaches `full` gives exactly the plain score."""
+    from pathlib import Path
+
+    from mergekit_bmm.evaluation.base import load_model, load_tokenizer
+    from mergekit_bmm.evaluation.config import LMEvalEvaluatorConfig
+    from mergekit_bmm.evaluation.lm_harness import LMEvalEvaluator
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
+
+    tests = Path(__file__).resolve().parent
+    monkeypatch.chdir(tests.parent)  # the task YAML's data_files is relative to the working directory
+    family = make_tiny_family(tmp_path / "family", "llama", n_experts=1, hidden=16, layers=2)
+    config = LMEvalEvaluatorConfig(
+        type="lm_eval", tasks=["toy_choice"], include_path=str(tests / "fixtures" / "lm_eval"), limit=6
+    )
+    evaluator = LMEvalEvaluator(config, "cpu")
+    model, tokenizer = load_model(family.base, "AutoModelForCausalLM", "cpu"), load_tokenizer(family.base)
+    assert evaluator.scores_examples and evaluator.examples()["toy_choice"].count == 6
+    plain = evaluator.evaluate_model(model, tokenizer)
+    values = evaluator.example_scorer(model, tokenizer)("toy_choice", [5, 0, 2])
+    every = evaluator.example_scorer(model, tokenizer)("toy_choice", range(6))
+    assert values == [every[5], every[0], every[2]] and set(every) <= {0.0, 1.0}
+    assert math.isclose(sum(every) / 6, plain["toy_choice"])
+    staged = staged_scores(evaluator.examples(), evaluator.example_scorer(model, tokenizer), {}, None, **RULE)
+    assert staged.level == FULL and math.isclose(staged.per_task["toy_choice"], plain["toy_choice"])

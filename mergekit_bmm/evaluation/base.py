@@ -49,6 +49,7 @@ class ExampleScoring(Protocol):
     (:mod:`mergekit_bmm.search.fidelity`)."""
 
     weights: dict[str, float]
+    scores_examples: bool  # False: this configuration can only be scored as a whole
 
     def examples(self) -> dict[str, TaskExamples]: ...
 

@@ -360,6 +360,7 @@ class ClassificationEvaluator:
     """
 
     loading = ModelLoading("AutoModel", "float32")
+    scores_examples = True  # accuracy is a per-example mean
 
     def __init__(self, config: ClassificationEvaluatorConfig, device: str) -> None:
         self.config = config

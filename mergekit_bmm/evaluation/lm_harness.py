@@ -4,9 +4,14 @@ Tasks are looked up once through ``lm_eval.tasks.TaskManager`` (with ``include_p
 for local task YAMLs), so a misspelt task stops the search before the first merge.
 Relative ``data_files`` in a task YAML are resolved by lm-eval against the working
 directory; write absolute paths there. Each
-trial loads the merged model, wraps it in ``HFLM`` and runs ``simple_evaluate``; a
-task's score is its configured metric (``acc`` by default; ``acc_norm``,
-``exact_match,strict-match``, ... as lm-eval names them).
+trial wraps the merged model in ``HFLM`` (built once per live model: a search's resident
+model keeps one) and runs ``simple_evaluate``; a task's score is its configured metric
+(``acc`` by default; ``acc_norm``, ``exact_match,strict-match``, ... as lm-eval names them).
+
+When every task's metric is a per-document mean (``acc``, ``acc_norm``, ``exact_match``),
+single documents can be scored (lm-eval's ``samples``), so a search can score a trial on
+part of its documents first and stop a task that cannot win
+(:mod:`mergekit_bmm.search.fidelity`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.evaluation.base import ModelLoading, evaluate_folder
+from mergekit_bmm.evaluation.base import ModelLoading, TaskExamples, evaluate_folder
 from mergekit_bmm.evaluation.config import LMEvalEvaluatorConfig
 
 
@@ -62,31 +67,91 @@ class LMEvalEvaluator:
                 return local
         return task_manager_class(include_path=self.config.include_path)
 
+    # A staged evaluation checks the bound once per task: each lm-eval call has a fixed cost.
+    example_chunk = 10**9
+
     def evaluate(self, model_dir: Path) -> dict[str, float]:
         return evaluate_folder(self, model_dir, self.device)
 
-    def evaluate_model(self, model: Any, tokenizer: Any) -> dict[str, float]:
-        """lm-eval's ``HFLM`` wrapped around the live model (no folder is read)."""
-        import lm_eval
+    def _lm(self, model: Any, tokenizer: Any) -> Any:
+        """lm-eval's ``HFLM`` around the live model, reused while the model object is the same
+        (resident trials change its weights in place; HFLM keeps no outputs between calls)."""
         from lm_eval.models.huggingface import HFLM
 
-        lm = HFLM(
-            pretrained=model, tokenizer=tokenizer, batch_size=self.config.batch_size, device=self.device
-        )
-        try:
-            output = lm_eval.simple_evaluate(
-                model=lm,
-                tasks=[task.name for task in self.config.tasks],
-                task_manager=self.task_manager,
-                limit=self.config.limit,
-                num_fewshot=self.config.num_fewshot,
-                log_samples=False,
-                bootstrap_iters=0,
-                verbosity="ERROR",
+        cached = getattr(self, "_wrapped", None)
+        if cached is None or cached[0] is not model or cached[1] is not tokenizer:
+            lm = HFLM(
+                pretrained=model, tokenizer=tokenizer, batch_size=self.config.batch_size, device=self.device
             )
-        finally:
-            del lm
+            self._wrapped = (model, tokenizer, lm)
+        return self._wrapped[2]
+
+    def _run(self, lm: Any, tasks: list[str], samples: dict[str, list[int]] | None = None) -> dict[str, Any]:
+        import lm_eval
+
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            task_manager=self.task_manager,
+            limit=None if samples is not None else self.config.limit,
+            samples=samples,
+            num_fewshot=self.config.num_fewshot,
+            log_samples=samples is not None,
+            bootstrap_iters=0,
+            verbosity="ERROR",
+        )
+
+    def evaluate_model(self, model: Any, tokenizer: Any) -> dict[str, float]:
+        """lm-eval's ``HFLM`` wrapped around the live model (no folder is read)."""
+        output = self._run(self._lm(model, tokenizer), [task.name for task in self.config.tasks])
         return self.extract(output)
+
+    @property
+    def scores_examples(self) -> bool:
+        """Whether every task's metric is a per-document mean, so documents can be scored alone."""
+        if not hasattr(self, "_documents"):
+            self._documents = self._document_counts()
+        return self._documents is not None
+
+    def _document_counts(self) -> dict[str, int] | None:
+        from lm_eval.api.metrics import mean
+        from lm_eval.tasks import get_task_dict
+
+        tasks = get_task_dict([task.name for task in self.config.tasks], self.task_manager)
+        counts = {}
+        for spec in self.config.tasks:
+            task = tasks.get(spec.name)
+            metric = spec.metric.split(",")[0]
+            if task is None or not hasattr(task, "aggregation") or task.aggregation().get(metric) is not mean:
+                return None  # a group, or a corpus-level metric (f1, mcc, ...): score in full
+            total = len(task.eval_docs)
+            limit = self.config.limit
+            if limit is not None:
+                total = min(total, math.ceil(limit * total) if isinstance(limit, float) else int(limit))
+            counts[spec.name] = total
+        return counts
+
+    def examples(self) -> dict[str, TaskExamples]:
+        """Each task's documents (the first ``limit`` when a limit is set, as lm-eval takes them)."""
+        assert self.scores_examples
+        return {name: TaskExamples(count) for name, count in self._documents.items()}
+
+    def example_scorer(self, model: Any, tokenizer: Any):
+        """``score(task, indices)``: the task's metric on each of those documents."""
+        lm = self._lm(model, tokenizer)
+        metrics = {task.name: task.metric.split(",")[0] for task in self.config.tasks}
+
+        def score(task: str, indices) -> list[float]:
+            chosen = sorted(indices)
+            if not chosen:
+                return []
+            output = self._run(lm, [task], {task: chosen})
+            by_document = {
+                sample["doc_id"]: float(sample[metrics[task]]) for sample in output["samples"][task]
+            }
+            return [by_document[index] for index in indices]
+
+        return score
 
     def extract(self, output: dict[str, Any]) -> dict[str, float]:
         """Each task's configured metric from ``simple_evaluate``'s output."""

@@ -263,7 +263,7 @@ def _round_robin(chunks: Mapping[str, list[list[int]]]) -> list[tuple[str, list[
 def evaluate_trial(evaluator: Any, model: Any, tokenizer: Any, incumbent: Incumbent | None, rule: Any) -> Any:
     """Score a live model: staged when ``rule`` (``fidelity:``) is on and the evaluator scores
     single examples, else the evaluator's plain per-task scores."""
-    if rule is None or not rule.enabled or not hasattr(evaluator, "example_scorer"):
+    if rule is None or not rule.enabled or not getattr(evaluator, "scores_examples", False):
         return evaluator.evaluate_model(model, tokenizer)
     if not rule.early_stop and rule.cheap >= 1:
         return evaluator.evaluate_model(model, tokenizer)
@@ -275,7 +275,7 @@ def evaluate_trial(evaluator: Any, model: Any, tokenizer: Any, incumbent: Incumb
         rule.cheap,
         rule.promote_z,
         rule.early_stop,
-        rule.chunk,
+        max(rule.chunk, getattr(evaluator, "example_chunk", 0)),
     )
 
 
