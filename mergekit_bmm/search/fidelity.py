@@ -68,6 +68,7 @@ class StagedScores:
     cheap_score: float | None = None
     cheap_se: float | None = None
     paired: bool = False
+    promoted: bool = False  # passed the cheap stage against an incumbent
     cheap_values: dict[str, list[float]] = field(default_factory=dict)
     scored: int = 0
     total: int = 0
@@ -82,6 +83,7 @@ class StagedScores:
                 cheap_score=round(self.cheap_score, 6),
                 cheap_se=round(self.cheap_se or 0.0, 6),
                 paired=self.paired,
+                promoted=self.promoted,
             )
         if self.estimate is not None:
             out["estimate"] = self.estimate
@@ -182,6 +184,7 @@ def staged_scores(
             if estimate + promote_z * margin <= incumbent.score:
                 result.estimate = round(estimate, 6)
                 return _finish(result, tallies, CHEAP)
+            result.promoted = True
     rest = {}
     for task, spec in examples.items():
         taken = set(first.get(task, ()))
@@ -295,7 +298,7 @@ def fidelity_summary(records: Sequence[Any]) -> dict[str, Any] | None:
         "full": levels.count(FULL),
         "cheap_only": levels.count(CHEAP),
         "stopped_early": levels.count(STOPPED),
-        "promoted": sum(1 for r in staged if "cheap_score" in r.fidelity and r.fidelity["level"] != CHEAP),
+        "promoted": sum(1 for r in staged if r.fidelity.get("promoted")),
         "paired": sum(1 for r in staged if r.fidelity.get("paired")),
         "examples_scored": scored,
         "examples_total": total,

@@ -1,0 +1,220 @@
+"""Cheap-then-full evaluation against full evaluation: trials per hour and the model each finds.
+
+Runs one search twice from the same ``search.yml`` and seed — once as written (the search's
+default ``fidelity:``, cheap-then-full with early stopping), once with ``--full-eval`` — each
+in its own process, then scores both searches' ``best/`` on the test split with the test
+evaluator (every example, one per-example score each) and prints, side by side: wall time,
+trials per hour, evaluation seconds per trial, the share of validation examples scored,
+promotions, the best validation score, the test score with its 95 % bootstrap interval, and
+the paired test difference (staged − full) with its interval. Writes ``fidelity.json`` and
+``fidelity.png`` (best validation score against wall time) into ``--out``.
+
+The classification benchmark (after its ``task_arithmetic`` stage)::
+
+    nice -n 10 python bench/search_fidelity.py --run /work/bench-cache/runs/zeroshot8 \\
+        --out /work/bench-fidelity/zeroshot8 --budget 40
+
+Any search, e.g. the language track's lm-eval search (its ``search.yml`` is kept in its folder)::
+
+    python bench/search_fidelity.py --search-yml RUN/search.yml --test-evaluator test.yml --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+BIN = Path(sys.executable).parent
+MODES = ("staged", "full")
+
+
+def search_from_run(run: Path, anchor_weight: float, groups: list[str]) -> tuple[dict, dict]:
+    """(search.yml, test evaluator) for data-free BMM over Task Arithmetic on a benchmark run."""
+    manifest = json.loads((run / "manifest.json").read_text(encoding="utf-8"))
+    validation = yaml.safe_load((run / "evaluator-validation.yml").read_text(encoding="utf-8"))
+    test = yaml.safe_load((run / "evaluator-test.yml").read_text(encoding="utf-8"))
+    recipe = {
+        "merge_method": "bmm",
+        "base_model": manifest["base"],
+        "models": [
+            {"model": path, "parameters": {"weight": anchor_weight}} for path in manifest["experts"].values()
+        ],
+        "parameters": {"anchor_method": "task_arithmetic"},
+        "dtype": "float32",
+    }
+    search = {"recipe": recipe, "blocks": 1, "groups": groups, **validation}
+    return search, test["evaluator"]
+
+
+def run_search(search: dict, out: Path, full: bool, threads: int) -> dict:
+    """One search in its own process; its summary, records and wall time."""
+    out.mkdir(parents=True, exist_ok=True)
+    search_yml = out.with_name(out.name + ".yml")
+    search_yml.write_text(yaml.safe_dump(search, sort_keys=False), encoding="utf-8")
+    command = [str(BIN / "mergekit-bmm-search"), str(search_yml), str(out), "--quiet", "-j", str(threads)]
+    if full:
+        command.append("--full-eval")
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"search {out} failed:\n{done.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    records = [
+        json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines() if '"trial"' in line
+    ]
+    return {"summary": summary, "records": records, "wall_seconds": wall}
+
+
+def test_values(evaluator_block: dict, model_dir: Path) -> dict[str, list[float]]:
+    """Per task, the per-example test scores of a merged model (every test example)."""
+    from pydantic import TypeAdapter
+
+    from mergekit_bmm.evaluation import make_evaluator
+    from mergekit_bmm.evaluation.base import load_model, load_tokenizer
+    from mergekit_bmm.evaluation.config import EvaluatorConfig
+
+    config = TypeAdapter(EvaluatorConfig).validate_python(evaluator_block, context={"base_dir": REPO})
+    evaluator = make_evaluator(config, "cpu")
+    if not getattr(evaluator, "scores_examples", False):
+        raise SystemExit(
+            "the test evaluator cannot score single examples (use classification or a mean metric)"
+        )
+    loading = evaluator.loading
+    model = load_model(model_dir, loading.class_name, "cpu", loading.dtype)
+    score = evaluator.example_scorer(model, load_tokenizer(model_dir))
+    return {task: score(task, range(spec.count)) for task, spec in evaluator.examples().items()}
+
+
+def measure(run: dict, values: dict[str, list[float]]) -> dict:
+    from bench.merging.intervals import interval
+
+    records, summary = run["records"], run["summary"]
+    evaluate = sum(r["time"].get("evaluate", 0.0) for r in records)
+    scored = sum((r.get("fidelity") or {}).get("scored", 0) for r in records)
+    total = sum((r.get("fidelity") or {}).get("total", 0) for r in records)
+    estimate, low, high = interval(values)
+    return {
+        "trials": len(records),
+        "wall_seconds": round(run["wall_seconds"], 1),
+        "trials_per_hour": round(3600 * len(records) / run["wall_seconds"], 1),
+        "evaluate_seconds_per_trial": round(evaluate / max(len(records), 1), 2),
+        "examples_scored_share": round(scored / total, 4) if total else 1.0,
+        "fidelity": summary.get("fidelity"),
+        "best_validation": summary["best_score"],
+        "best_values": summary["best_values"],
+        "test": [round(estimate, 4), round(low, 4), round(high, 4)],
+        "curve": [
+            [round(r["time"]["elapsed"], 1), r["score"]]
+            for r in records
+            if r.get("status") == "ok" and (r.get("fidelity") or {}).get("level", "full") == "full"
+        ],
+    }
+
+
+def table(results: dict) -> str:
+    header = (
+        f"{'evaluation':<16}{'K':>4}{'wall s':>9}{'trials/h':>10}{'eval s/trial':>14}{'examples':>10}"
+        f"{'full/promoted/stopped':>23}{'best val':>10}{'test [95% CI]':>24}"
+    )
+    lines = [header, "-" * len(header)]
+    for mode in MODES:
+        row = results[mode]
+        fidelity = row["fidelity"] or {}
+        counts = "/".join(
+            str(fidelity.get(key, default))
+            for key, default in (("full", row["trials"]), ("promoted", 0), ("stopped_early", 0))
+        )
+        test = row["test"]
+        lines.append(
+            f"{mode:<16}{row['trials']:>4}{row['wall_seconds']:>9.0f}{row['trials_per_hour']:>10.1f}"
+            f"{row['evaluate_seconds_per_trial']:>14.2f}"
+            f"{100 * row['examples_scored_share']:>9.0f}%{counts:>23}"
+            f"{100 * row['best_validation']:>10.2f}"
+            f"{f'{100 * test[0]:.2f} [{100 * test[1]:.2f}, {100 * test[2]:.2f}]':>24}"
+        )
+    delta = results["test_delta"]
+    lines += [
+        "",
+        f"trials/hour, staged over full: {results['speedup']:.2f}x",
+        f"test, staged - full (paired): {100 * delta[0]:+.2f} "
+        f"[{100 * delta[1]:.2f}, {100 * delta[2]:.2f}] points",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for mode in MODES:
+        best, xs, ys = None, [], []
+        for elapsed, score in results[mode]["curve"]:
+            best = score if best is None else max(best, score)
+            xs.append(elapsed / 60)
+            ys.append(100 * best)
+        ax.step(xs, ys, where="post", label=f"{mode} ({results[mode]['trials_per_hour']:.0f} trials/h)")
+    ax.set_xlabel("wall time of the trials (min)")
+    ax.set_ylabel("best validation score (%)")
+    ax.set_title("Cheap-then-full against full evaluation, same search and seed")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from bench.merging.intervals import paired_difference
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", type=Path, help="a benchmark run folder (<cache>/runs/<name>)")
+    parser.add_argument("--search-yml", type=Path, help="any search.yml (instead of --run)")
+    parser.add_argument("--test-evaluator", type=Path, help="a YAML with the `evaluator:` on the test split")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--anchor-weight", type=float, default=0.3, help="--run: Task Arithmetic's weight")
+    parser.add_argument("--groups", default="attn_in,attn_out,mlp_in,mlp_out", help="--run: searched groups")
+    args = parser.parse_args(argv)
+    if args.run:
+        search, test = search_from_run(args.run, args.anchor_weight, args.groups.split(","))
+    elif args.search_yml and args.test_evaluator:
+        search = yaml.safe_load(args.search_yml.read_text(encoding="utf-8"))
+        test = yaml.safe_load(args.test_evaluator.read_text(encoding="utf-8"))["evaluator"]
+    else:
+        parser.error("give --run, or --search-yml with --test-evaluator")
+    search["budget"] = args.budget
+    search.setdefault("n_initial", min(10, args.budget))
+    results: dict = {"budget": args.budget, "search": search}
+    values = {}
+    for mode in MODES:
+        run = run_search(search, args.out / mode, mode == "full", args.threads)
+        values[mode] = test_values(test, args.out / mode / "best")
+        results[mode] = measure(run, values[mode])
+        print(
+            f"{mode}: {results[mode]['trials']} trials in {results[mode]['wall_seconds']:.0f} s", flush=True
+        )
+    results["speedup"] = results["staged"]["trials_per_hour"] / results["full"]["trials_per_hour"]
+    results["test_delta"] = [round(v, 4) for v in paired_difference(values["staged"], values["full"])]
+    (args.out / "fidelity.json").write_text(
+        json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8"
+    )
+    plot(results, args.out / "fidelity.png")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
