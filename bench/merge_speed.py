@@ -104,14 +104,23 @@ def child(spec: dict) -> dict:
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
+    device = spec.get("device", "cpu")
     options = merge_options(
-        None, quiet=True, write_model_card=False, copy_tokenizer=False, out_shard_size=spec.get("shard_bytes")
+        None,
+        device=device,
+        quiet=True,
+        write_model_card=False,
+        copy_tokenizer=False,
+        out_shard_size=spec.get("shard_bytes"),
     )
     private = PeakSampler("RssAnon")
     started = time.perf_counter()
     merge_recipe_text(yaml_text(spec["recipe"]), spec["out"], options)
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "peak_rss_mib": status_mib("VmHWM"), "peak_private_mib": private.stop()}
+    result = {"seconds": seconds, "peak_rss_mib": status_mib("VmHWM"), "peak_private_mib": private.stop()}
+    if device.startswith("cuda"):
+        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return result
 
 
 class PeakSampler:

@@ -120,6 +120,8 @@ def run_benchmark(
     if stop >= STAGES.index("experts"):
         _experts(config, cache_dir, art)
     results = report.base_results(config, art)
+    results["stage_reached"] = until
+    results["machine"] = machine()
     results["timings"]["data_seconds_this_run"] = data_seconds
     if stop >= STAGES.index("scores"):
         _scores(config, cache_dir, art, encoder, results)
@@ -149,6 +151,24 @@ def run_benchmark(
     report.write(results, results_dir / config.name)
     say(report.markdown(results))
     return results
+
+
+def machine() -> dict[str, Any]:
+    """Where the figures were made: CPU model and cores, torch, and a GPU if one was used."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "gpu": gpu}
 
 
 def _counts(counts: dict[str, int]) -> str:

@@ -628,6 +628,21 @@ def timings_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def stage_line(results: dict[str, Any]) -> str:
+    """Which stages these figures come from, and on what machine."""
+    from bench.merging.stages import STAGES
+
+    reached = results.get("stage_reached", STAGES[-1])
+    later = STAGES[STAGES.index(reached) + 1 :] if reached in STAGES else []
+    where = results.get("machine") or {}
+    cores = f"{where['cores']} cores" if where.get("cores") else None
+    machine = ", ".join(str(part) for part in (where.get("cpu"), cores, where.get("gpu")) if part)
+    text = f"Stages run: {', '.join(STAGES[: STAGES.index(reached) + 1])}" if reached in STAGES else ""
+    if later:
+        text += f"; not yet run: {', '.join(later)}"
+    return text + (f". Machine: {machine}." if machine else ".")
+
+
 def write(results: dict[str, Any], folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     results["dynamic_range"] = dynamic_range(results)
@@ -635,6 +650,7 @@ def write(results: dict[str, Any], folder: Path) -> None:
     picture = plot(results, folder / "per_task.png")
     panels = plot_anchors(results, folder / "per_anchor.png") if len(results["rows"]) > 2 else None
     text = [f"# {results['name']}: {results['encoder']}, test accuracy (%)", ""]
+    text += [stage_line(results), ""]
     if results.get("range"):
         text += ["## Range: can this run tell merge methods apart?", "", range_markdown(results), ""]
     if results.get("summary"):

@@ -1,0 +1,265 @@
+"""The GPU check: bmm on an accelerator, measured, in one command (about 10 minutes on one GPU).
+
+Four parts, each printed as a table and kept in ``--out`` (JSON):
+
+1. **accuracy** — bmm data-free, activations and mix merged on ``--device`` (float32 compute)
+   against the float64 CPU merge of the same recipe: the largest relative error of any
+   solved tensor's update ``W − W_pre`` (tiny Llama families; with ``--size full`` also
+   the SmolLM2-135M shape). Activation statistics are random Grams in the real format.
+2. **speed** — ``bench/merge_speed.py``'s cases on the device: Task Arithmetic and TIES,
+   bmm over each, the cache fill and a cached trial, against the GEMM floors measured on the
+   same device in the same run.
+3. **search** — a resident search (one worker per GPU) scored by the mean log-likelihood
+   of a few texts: trials per hour.
+4. **billion** — a Llama-3.2-1B-shaped family (hidden 2048, 16 layers, MLP 8192, 32 heads /
+   8 KV heads, bfloat16, T = 3, random weights made locally): Task Arithmetic and bmm
+   data-free, wall time, peak GPU memory and peak RSS.
+
+    python bench/gpu_check.py --device cuda --out bench/results/gpu-check.json     # on a GPU
+    python bench/gpu_check.py --device cpu --size small                            # the CPU run (tested)
+
+``--size small`` shrinks every shape (hidden 64, 2 layers; the "1B" family becomes hidden 256)
+so the whole check runs on a CPU in about a minute; the tables say which sizes they used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench.common import ensure_llama_family, gemm_floor, solved_shapes  # noqa: E402
+from bench.merge_speed import DEFAULT_CACHE, closed_form_floor, recipe, run_child  # noqa: E402
+
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads
+    "small": {"tiny": (64, 128, 2, 4, 2), "smollm2": None, "billion": (256, 1024, 2, 8, 2)},
+    "full": {
+        "tiny": (64, 128, 2, 4, 2),
+        "smollm2": (576, 1536, 30, 9, 3),
+        "billion": (2048, 8192, 16, 32, 8),
+    },
+}
+GRAMS = ("data_free", "activations", "mix")
+
+
+def family(models: Path, shape: tuple[int, int, int, int, int]) -> dict:
+    hidden, intermediate, layers, heads, kv_heads = shape
+    return ensure_llama_family(models, hidden, intermediate, layers, 3, heads=heads, kv_heads=kv_heads)
+
+
+def machine(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} GPU), torch {torch.__version__}"
+    return f"CPU ({os.cpu_count()} cores), torch {torch.__version__}"
+
+
+# -- 1. accuracy --------------------------------------------------------------------------
+def _stats(fam: dict, folder: Path) -> Path:
+    """Random activation Grams for every expert, in the statistics store's format."""
+    from types import SimpleNamespace
+
+    from mergekit_bmm.examples.synthetic_stats import stats_for_family
+
+    described = SimpleNamespace(base=fam["base"], experts=fam["experts"], architecture="llama")
+    return stats_for_family(folder, described)[0]
+
+
+def _updates(out: Path, base: Path) -> dict[str, torch.Tensor]:
+    from mergekit_bmm.io.checkpoint import iter_tensors
+
+    before = dict(iter_tensors(base))
+    return {
+        name: tensor.double() - before[name].double() for name, tensor in iter_tensors(out) if name in before
+    }
+
+
+def accuracy(models: Path, scratch: Path, device: str, size: str) -> list[dict]:
+    rows = []
+    for label, shape in (("tiny", SHAPES[size]["tiny"]), ("SmolLM2-135M shape", SHAPES[size]["smollm2"])):
+        if shape is None:
+            continue
+        fam = family(models, shape)
+        stats = _stats(fam, scratch / f"stats-{label.replace(' ', '_')}")
+        for gram in GRAMS:
+            extra = {"stats": str(stats)} if gram != "data_free" else {}
+            if gram == "mix":
+                extra["epsilon"] = 0.5
+            spec = recipe(fam, "bmm", "task_arithmetic", gram=gram, **extra)
+            spec["dtype"] = "float32"  # compare the solves, not bfloat16 rounding
+            reference = {**spec, "parameters": {**spec["parameters"], "compute_dtype": "float64"}}
+            outs = {}
+            for name, run_recipe, run_device in (("device", spec, device), ("reference", reference, "cpu")):
+                out = scratch / f"accuracy-{label.replace(' ', '_')}-{gram}-{name}"
+                run_child({"recipe": run_recipe, "out": str(out), "device": run_device})
+                outs[name] = _updates(out, Path(fam["base"]))
+            errors = [
+                float(
+                    (outs["device"][name] - reference_update).norm()
+                    / reference_update.norm().clamp_min(1e-30)
+                )
+                for name, reference_update in outs["reference"].items()
+                if reference_update.norm() > 0
+            ]
+            rows.append(
+                {"family": label, "gram": gram, "tensors": len(errors), "max_relative_error": max(errors)}
+            )
+            print(f"  accuracy {label} {gram}: {max(errors):.2e}", flush=True)
+    return rows
+
+
+# -- 2. speed -----------------------------------------------------------------------------
+def speed(models: Path, scratch: Path, device: str, size: str) -> dict:
+    fam = family(models, SHAPES[size]["smollm2"] or SHAPES[size]["tiny"])
+    cases = {
+        "task_arithmetic": recipe(fam, "task_arithmetic"),
+        "ties": recipe(fam, "ties"),
+        "bmm over task_arithmetic": recipe(fam, "bmm", "task_arithmetic"),
+        "bmm over ties": recipe(fam, "bmm", "ties"),
+        "cache fill": recipe(fam, "bmm", "task_arithmetic", cache=str(scratch / "cache")),
+        "cached trial": recipe(fam, "bmm", "task_arithmetic", cache=str(scratch / "cache"), scale=1.1),
+    }
+    cases["cached trial"]["parameters"]["lambda"] = 0.05
+    rows = {}
+    for name, spec in cases.items():
+        print(f"  speed: {name} ...", flush=True)
+        rows[name] = run_child(
+            {"recipe": spec, "out": str(scratch / f"speed-{name.replace(' ', '_')}"), "device": device}
+        )
+    shapes = solved_shapes(Path(fam["base"]))
+    return {
+        "rows": rows,
+        "closed_form_floor_seconds": closed_form_floor(shapes, 3, device),
+        "fill_floor_seconds": closed_form_floor(shapes, 3, device, fill=True),
+        "gemm_floor_seconds": gemm_floor(shapes, 3, device),
+    }
+
+
+# -- 3. search ----------------------------------------------------------------------------
+def search(models: Path, scratch: Path, device: str, size: str, budget: int) -> dict:
+    from bench.search_throughput import texts
+    from mergekit_bmm.search.config import parse_search_config
+    from mergekit_bmm.search.loop import SearchOptions, run_search
+
+    fam = family(models, SHAPES[size]["smollm2"] or SHAPES[size]["tiny"])
+    workers = max(1, torch.cuda.device_count()) if device.startswith("cuda") else 1
+    config = parse_search_config(
+        {
+            "recipe": recipe(fam, "bmm", "task_arithmetic"),
+            "blocks": 1,
+            "budget": budget,
+            "n_initial": min(4, budget),
+            "parallel": {"workers": workers},
+            "evaluator": {
+                "type": "python",
+                "callable": "bench.search_throughput:mean_log_likelihood",
+                "python_path": [str(REPO)],
+                "args": {"texts": texts(16)},
+            },
+        },
+        REPO,
+    )
+    options = SearchOptions(device=device, progress=False, plots=False, skip_best=True)
+    started = time.perf_counter()
+    result = run_search(config, scratch / "search", options)
+    wall = time.perf_counter() - started
+    return {
+        "workers": workers,
+        "trials": len(result.records),
+        "trials_mode": result.summary.trials,
+        "wall_seconds": wall,
+        "trials_per_hour": 3600 * len(result.records) / wall,
+        "mean_seconds": result.summary.mean_seconds,
+    }
+
+
+# -- 4. billion ---------------------------------------------------------------------------
+def billion(models: Path, scratch: Path, device: str, size: str) -> dict:
+    fam = family(models, SHAPES[size]["billion"])
+    rows = {}
+    for name, spec in (
+        ("task_arithmetic", recipe(fam, "task_arithmetic")),
+        ("bmm data-free over task_arithmetic", recipe(fam, "bmm", "task_arithmetic")),
+    ):
+        print(f"  billion: {name} ...", flush=True)
+        rows[name] = run_child(
+            {"recipe": spec, "out": str(scratch / f"billion-{len(rows)}"), "device": device}
+        )
+    return {"shape": SHAPES[size]["billion"], "rows": rows}
+
+
+# -- the report ---------------------------------------------------------------------------
+def report(result: dict) -> str:
+    lines = [f"GPU check on {result['machine']}, device {result['device']}, sizes {result['size']}", ""]
+    lines += [f"{'accuracy (vs float64 CPU)':<34}{'gram':<13}{'tensors':>8}{'max rel. error':>16}", "-" * 71]
+    for row in result["accuracy"]:
+        lines.append(
+            f"{row['family']:<34}{row['gram']:<13}{row['tensors']:>8}{row['max_relative_error']:>16.2e}"
+        )
+    speed_part = result["speed"]
+    floor = speed_part["closed_form_floor_seconds"]
+    lines += ["", f"{'speed':<34}{'seconds':>10}{'peak RSS MiB':>14}{'peak GPU MiB':>14}", "-" * 72]
+    for name, row in speed_part["rows"].items():
+        gpu = f"{row['peak_gpu_mib']:.0f}" if "peak_gpu_mib" in row else "-"
+        lines.append(f"{name:<34}{row['seconds']:>10.2f}{row['peak_rss_mib']:>14.0f}{gpu:>14}")
+    rows = speed_part["rows"]
+    lines += [
+        f"closed-form floor {floor:.3f} s, fill floor {speed_part['fill_floor_seconds']:.3f} s, "
+        f"GEMM floor of a cached trial {speed_part['gemm_floor_seconds']:.3f} s",
+        "bmm over TA = TA + "
+        f"{(rows['bmm over task_arithmetic']['seconds'] - rows['task_arithmetic']['seconds']) / floor:.2f}"
+        " x floor",
+    ]
+    found = result["search"]
+    lines += [
+        "",
+        f"search: {found['trials']} resident trials ({found['trials_mode']}) on {found['workers']} "
+        f"worker(s): {found['trials_per_hour']:.0f} trials/hour",
+    ]
+    big = result["billion"]
+    hidden, intermediate, layers, _, _ = big["shape"]
+    lines += ["", f"{'1B-shaped merge':<40}{'seconds':>10}{'peak RSS MiB':>14}{'peak GPU MiB':>14}", "-" * 78]
+    for name, row in big["rows"].items():
+        gpu = f"{row['peak_gpu_mib']:.0f}" if "peak_gpu_mib" in row else "-"
+        lines.append(f"{name:<40}{row['seconds']:>10.2f}{row['peak_rss_mib']:>14.0f}{gpu:>14}")
+    lines.append(f"(hidden {hidden}, intermediate {intermediate}, {layers} layers, T = 3, bfloat16)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", choices=["small", "full"], default=None, help="default: full on a GPU")
+    parser.add_argument("--models", type=Path, default=DEFAULT_CACHE, help="where model families are kept")
+    parser.add_argument("--budget", type=int, default=8, help="trials of the search part")
+    parser.add_argument("--out", type=Path, default=None, help="JSON with every figure")
+    args = parser.parse_args(argv)
+    size = args.size or ("full" if args.device.startswith("cuda") else "small")
+    result: dict = {"device": args.device, "size": size, "machine": machine(args.device)}
+    with tempfile.TemporaryDirectory(prefix="bmm-gpu-check-") as scratch:
+        scratch = Path(scratch)
+        result["accuracy"] = accuracy(args.models, scratch, args.device, size)
+        result["speed"] = speed(args.models, scratch, args.device, size)
+        result["search"] = search(args.models, scratch, args.device, size, args.budget)
+        result["billion"] = billion(args.models, scratch, args.device, size)
+    text = report(result)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps({**result, "report": text}, indent=2, default=str) + "\n", encoding="utf-8"
+        )
+    return result
+
+
+if __name__ == "__main__":
+    main()
