@@ -115,9 +115,8 @@ class LMEvalEvaluator:
 
     def _document_counts(self) -> dict[str, int] | None:
         from lm_eval.api.metrics import mean
-        from lm_eval.tasks import get_task_dict
 
-        tasks = get_task_dict([task.name for task in self.config.tasks], self.task_manager)
+        tasks = self.task_manager.load([task.name for task in self.config.tasks])["tasks"]
         counts = {}
         for spec in self.config.tasks:
             task = tasks.get(spec.name)
