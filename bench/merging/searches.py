@@ -160,15 +160,15 @@ def read_search(folder: Path) -> dict[str, Any]:
     for trial in trials:
         for key in times:
             times[key] += float((trial.get("time") or {}).get(key) or 0.0)
-    best = max((t for t in trials if t.get("status") == "ok"), key=lambda t: t["score"], default=None)
+    # the search's own best: only trials scored on every validation example can be it
     return {
         "summary": summary,
         "trials": len(trials),
         "failed": sum(1 for t in trials if t.get("status") != "ok"),
         "times": {key: round(value, 1) for key, value in times.items()},
-        "best_values": best["values"] if best else None,
-        "best_validation": best["score"] if best else None,
-        "best_per_task": best.get("per_task") if best else None,
+        "best_values": summary.get("best_values"),
+        "best_validation": summary.get("best_score"),
+        "best_per_task": summary.get("best_per_task"),
         "best_yml": folder / "best.yml",
         "best_dir": folder / "best",
         "curve": [t.get("score") for t in trials],
