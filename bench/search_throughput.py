@@ -340,6 +340,8 @@ def case_config(case: dict, args) -> dict:
         "n_initial": min(args.n_initial, args.budget),
         "seed": 0,
         "acq_optimizer": "sampling",
+        # trial mechanics with every example scored (bench/search_fidelity.py measures the other)
+        "fidelity": {"enabled": False},
         "evaluator": case["evaluator"],
     }
 
