@@ -178,20 +178,16 @@ def build_head(
         payload["descriptions"] = texts
     stage = Stage(cache_dir, "heads", task.name, payload, head_fingerprint)
 
+    def features_of(split: str) -> tuple[np.ndarray, np.ndarray]:
+        return pretrained_features(
+            task, split, encoder_fingerprint, spec.pooling, max_length, batch_size, cache_dir, encoder_loader
+        )
+
     def produce_zero_shot(folder: Path) -> dict[str, Any]:
         model, tokenizer = encoder_loader()
         weight = zero_shot_weight(model, tokenizer, texts, spec.pooling, max_length, spec.scale)
         path = save_head(folder / HEAD_FILE, weight, torch.zeros(len(texts)), task.labels, spec.pooling, "l2")
-        features, labels = pretrained_features(
-            task,
-            "validation",
-            encoder_fingerprint,
-            spec.pooling,
-            max_length,
-            batch_size,
-            cache_dir,
-            encoder_loader,
-        )
+        features, labels = features_of("validation")
         predicted = load_head(path).logits(torch.from_numpy(features).float()).argmax(-1).numpy()
         return {
             "kind": "zero_shot",
@@ -203,16 +199,7 @@ def build_head(
     def produce(folder: Path) -> dict[str, Any]:
         features, labels = {}, {}
         for split in (HEAD_SPLIT, "validation"):
-            features[split], labels[split] = pretrained_features(
-                task,
-                split,
-                encoder_fingerprint,
-                spec.pooling,
-                max_length,
-                batch_size,
-                cache_dir,
-                encoder_loader,
-            )
+            features[split], labels[split] = features_of(split)
         weight, bias, info = fit_logistic_head(
             features[HEAD_SPLIT],
             labels[HEAD_SPLIT],
