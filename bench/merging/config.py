@@ -178,6 +178,9 @@ class SweepSpec(_Strict):
     scales: list[float] = [0.5, 0.8, 1.0, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0]
     reference_lambda: float = 0.1
     reference_scale: float = 1.0
+    threads: int = Field(
+        default=2, ge=1, description="torch threads for the sweeps (products and scoring, no LAPACK)"
+    )
 
 
 class AblationSpec(_Strict):

@@ -97,8 +97,19 @@ def run_sweeps(
 ) -> dict[str, Any]:
     """Both settings' sweeps (cached by their search definitions), ``sweeps.png`` and the data."""
     out: dict[str, Any] = {"anchor": spec.anchor, "anchor_validation": anchor_validation, "settings": {}}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(spec.threads)
+    try:
+        _sweep_settings(spec, searches, cache_dir, out)
+    finally:
+        torch.set_num_threads(previous)
+    plot_sweeps(out, results_folder / "sweeps.png")
+    return out
+
+
+def _sweep_settings(spec: SweepSpec, searches: dict[str, dict[str, Any]], cache_dir: Path, out) -> None:
     for setting, search in searches.items():
-        key = stable_key({"spec": spec.model_dump(), "search": search})
+        key = stable_key({"spec": spec.model_dump(exclude={"threads"}), "search": search})
         path = cache_dir / "sweeps" / f"{spec.anchor}-{setting}-{key}.json"
         if path.is_file():
             out["settings"][setting] = read_json(path)
@@ -107,8 +118,6 @@ def run_sweeps(
         result = sweep_setting(spec, search, factors, progress=f"sweeps {setting}")
         write_json(path, result)
         out["settings"][setting] = result
-    plot_sweeps(out, results_folder / "sweeps.png")
-    return out
 
 
 def plot_sweeps(sweeps: dict[str, Any], path: Path) -> Path:
