@@ -30,6 +30,7 @@ from bench.merging.heads import build_head
 from bench.merging.merging import recipe_key, run_mergekit
 from bench.merging.scoring import ScoredTask, mean, score_model
 from bench.merging.searches import bmm_template, collect_stats, run_search, search_config
+from bench.merging.stage_clock import StageClock
 from bench.merging.stages import STAGES  # noqa: E402
 from bench.merging.tasks import build_task_data
 from mergekit_bmm.errors import ConfigError
@@ -115,39 +116,51 @@ def run_benchmark(
     art.records["encoder"] = record
     say(f"encoder   {config.encoder.name} -> {art.encoder} ({'cached' if cached else 'copied'})")
     encoder = EncoderHandle(art.encoder, config.work_threads)
+    clock = StageClock(cache_dir / "runs" / config.name)
     if stop >= STAGES.index("heads"):
-        _heads(config, cache_dir, art, encoder)
+        with clock.stage("heads"):
+            _heads(config, cache_dir, art, encoder)
     if stop >= STAGES.index("experts"):
-        _experts(config, cache_dir, art)
+        with clock.stage("experts"):
+            _experts(config, cache_dir, art)
     results = report.base_results(config, art)
     results["stage_reached"] = until
     results["machine"] = machine()
     results["timings"]["data_seconds_this_run"] = data_seconds
     if stop >= STAGES.index("scores"):
-        _scores(config, cache_dir, art, encoder, results)
+        with clock.stage("scores"):
+            _scores(config, cache_dir, art, encoder, results)
     if stop >= STAGES.index("task_arithmetic"):
-        _task_arithmetic(config, cache_dir, art, results)
+        with clock.stage("task_arithmetic"):
+            _task_arithmetic(config, cache_dir, art, results)
     write_manifest(config, cache_dir, art)
     if stop >= STAGES.index("anchors") and config.anchors:
-        _anchors(config, cache_dir, art, encoder, results)
+        with clock.stage("anchors"):
+            _anchors(config, cache_dir, art, encoder, results)
     if stop >= STAGES.index("sweeps") and config.sweeps.anchor:
-        _sweeps(config, cache_dir, art, results, results_dir / config.name)
+        with clock.stage("sweeps"):
+            _sweeps(config, cache_dir, art, results, results_dir / config.name)
     # data-free searches, then the ablation (it reuses the BO search of its cell), then data-assisted
     for setting in config.search.settings:
         if stop >= STAGES.index("bmm") and config.search.anchors:
-            _bmm(config, cache_dir, art, results, setting)
+            with clock.stage("bmm"):
+                _bmm(config, cache_dir, art, results, setting)
         if setting == config.ablation.setting and stop >= STAGES.index("ablation") and config.ablation.anchor:
-            _ablation(config, cache_dir, art, results)
+            with clock.stage("ablation"):
+                _ablation(config, cache_dir, art, results)
     if stop >= STAGES.index("scores"):
         add_intervals(config, cache_dir, art, results)
     if stop >= STAGES.index("language") and config.language.enabled:
         from bench.merging.language.track import run_language_track
 
-        results["language"] = run_language_track(config, cache_dir)
+        with clock.stage("language"):
+            results["language"] = run_language_track(config, cache_dir)
         write_json(results_dir / config.name / "language.json", results["language"])
     elif (results_dir / config.name / "language.json").is_file() and config.language.enabled:
         results["language"] = read_json(results_dir / config.name / "language.json")
     results["timings"]["this_run_seconds"] = round(time.time() - started, 1)
+    _fill_clock_from_records(clock, results)
+    results["stage_seconds"] = clock.table()
     report.write(results, results_dir / config.name)
     say(report.markdown(results))
     return results
@@ -169,6 +182,16 @@ def machine() -> dict[str, Any]:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "gpu": gpu}
+
+
+def _fill_clock_from_records(clock: StageClock, results: dict[str, Any]) -> None:
+    """Stages built before the clock existed get the time their own records kept."""
+    timings = results.get("timings", {})
+    clock.fill_from_records("heads", timings.get("heads_seconds"))
+    clock.fill_from_records("experts", timings.get("experts_seconds"))
+    clock.fill_from_records("scores", timings.get("scores_seconds_this_run"))
+    task_arithmetic = (results.get("anchor_runtime") or {}).get("task_arithmetic") or {}
+    clock.fill_from_records("task_arithmetic", task_arithmetic.get("stage_seconds_this_run"))
 
 
 def _counts(counts: dict[str, int]) -> str:

@@ -608,6 +608,20 @@ def language_markdown(language: dict[str, Any]) -> str:
     return text
 
 
+def stage_seconds_markdown(results: dict[str, Any]) -> str:
+    """Wall time per stage on this machine, summed over the run's invocations."""
+    entries = results.get("stage_seconds") or {}
+    if not entries:
+        return ""
+    lines = ["| stage | wall time | invocations |", "|---|---|---|"]
+    for stage, entry in entries.items():
+        source = " (from its records)" if entry.get("from_records") else ""
+        lines.append(f"| {stage} | {entry['seconds'] / 60:.1f} min{source} | {entry['invocations']} |")
+    total = sum(entry["seconds"] for entry in entries.values())
+    lines.append(f"| **all** | **{total / 60:.1f} min** | |")
+    return "\n".join(lines)
+
+
 def timings_markdown(results: dict[str, Any]) -> str:
     """Sizes and wall-clock seconds of the stages (as first built; cached stages cost ~0 now)."""
     lines = ["| what | value |", "|---|---|"]
@@ -685,5 +699,7 @@ def write(results: dict[str, Any], folder: Path) -> None:
             language_markdown(results["language"]),
             "",
         ]
+    if results.get("stage_seconds"):
+        text += ["## Runtime per stage", "", stage_seconds_markdown(results), ""]
     text += ["## Sizes and timings", "", timings_markdown(results), ""]
     (folder / "results.md").write_text("\n".join(text), encoding="utf-8")
