@@ -338,7 +338,7 @@ def plot_expert_curves(results: dict[str, Any], path: Path) -> Path | None:
             ax.axhline(100 * head, color=line.get_color(), linestyle=":", linewidth=0.8)
     ax.set_xlabel("training step (batches of 32)")
     ax.set_ylabel("held-out accuracy (%)")
-    ax.set_title("Experts: held-out accuracy while training (dot: kept step; dotted: pretrained head)")
+    ax.set_title("Experts' held-out accuracy (dot: kept step; dotted: zero-shot head)", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
