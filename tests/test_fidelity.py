@@ -67,19 +67,52 @@ def test_a_close_trial_is_judged_against_the_incumbent_on_the_same_examples():
     examples = {"t": TaskExamples(400)}
     draws = np.random.default_rng(3).random(400)
     first = cheap_subset(examples, 0.25)["t"]
-    incumbent_values = [float(draws[i] < 0.8) for i in first]
-    worse = {i for i in first if draws[i] < 0.8}
-    worse = set(sorted(worse)[:4])  # the trial gets 4 of the incumbent's right cheap examples wrong
+    right = [i for i in first if draws[i] < 0.8]
+    worse = set(right[:4])  # the trial gets 4 of the incumbent's right cheap examples wrong
 
     def score(task, indices):
         return [float(draws[i] < 0.8 and i not in worse) for i in indices]
 
-    incumbent = Incumbent(0.8, {"t": incumbent_values}, 0.25)
+    incumbent = Incumbent(0.8, {"t": [float(v < 0.8) for v in draws]})
     paired = staged_scores(examples, score, {}, incumbent, **RULE)
     assert paired.paired and paired.level == CHEAP and paired.scored == 100
     assert paired.estimate == pytest.approx(0.8 - 4 / 100)
     unpaired = staged_scores(examples, score, {}, 0.8, **RULE)
     assert not unpaired.paired and unpaired.level != CHEAP  # within the unpaired band: promoted
+
+
+def test_a_promoted_trial_that_falls_behind_stops_before_the_end():
+    """The paired comparison is repeated after each round of chunks: a trial ahead of the
+    incumbent on the cheap examples but clearly worse on the rest stops early (estimate)."""
+    from mergekit_bmm.search.fidelity import Incumbent
+
+    examples = {"t": TaskExamples(400)}
+    draws = np.random.default_rng(4).random(400)
+    first = set(cheap_subset(examples, 0.25)["t"])
+    incumbent = Incumbent(float(np.mean(draws < 0.8)), {"t": [float(v < 0.8) for v in draws]})
+
+    def score(task, indices):  # a little better on the cheap examples, 15 points worse elsewhere
+        return [float(draws[i] < (0.84 if i in first else 0.65)) for i in indices]
+
+    result = staged_scores(examples, score, {}, incumbent, 0.25, 2.0, True, 50)
+    assert result.promoted and result.level == STOPPED and "(estimate)" in result.stopped_at
+    assert result.scored < 400 and result.estimate < incumbent.score
+
+
+def test_full_trials_keep_every_example_score_for_pairing_after_a_resume():
+    from mergekit_bmm.search.fidelity import Incumbent
+
+    score, draws, _ = _scorer({"a": 0.7, "b": 0.4})
+    result = staged_scores(EXAMPLES, score, {}, None, **RULE)
+    record = result.record()
+    assert set(record["values"]) == {"a", "b"}
+
+    class Logged:  # what a resumed search reads back from trials.jsonl
+        fidelity = record
+        score = 0.55
+
+    incumbent = Incumbent.of(Logged)
+    assert incumbent.values["a"] == [float(v < 0.7) for v in draws["a"][:400]]
 
 
 def test_a_clearly_worse_trial_stops_after_the_cheap_stage():
@@ -101,8 +134,9 @@ def test_a_close_trial_is_promoted_and_its_full_score_is_exact():
     assert result.per_task == full
 
 
-def test_early_stop_only_stops_trials_that_cannot_win():
-    """Every stopped trial's full score is at or below the incumbent (it could never have won)."""
+def test_the_bound_only_stops_trials_that_cannot_win():
+    """Without a cheap stage only the bound stops a trial: then its full score is at or below
+    the incumbent (it could never have won)."""
     rng = random.Random(0)
     stopped = 0
     for trial in range(40):
@@ -110,7 +144,7 @@ def test_early_stop_only_stops_trials_that_cannot_win():
         score, draws, _ = _scorer(accuracy, seed=trial)
         full = _full(draws, accuracy)
         incumbent = rng.uniform(0.55, 0.8)
-        result = staged_scores(EXAMPLES, score, {}, incumbent, 0.25, 0.0, True, 16)  # z = 0: promote freely
+        result = staged_scores(EXAMPLES, score, {}, incumbent, None, 0.0, True, 16)
         if result.level == STOPPED:
             stopped += 1
             assert (full["a"] + full["b"]) / 2 <= incumbent
@@ -157,7 +191,8 @@ def test_staged_search_finds_the_known_optimum_as_full_evaluation_does():
             scored += result.scored
             optimizer.tell([x], -value)
             if result.level == FULL and (best is None or value > best.score):
-                best, best_x = Incumbent(value, result.cheap_values, result.cheap), x
+                values = {task: [by[i] for i in range(len(by))] for task, by in result.values.items()}
+                best, best_x = Incumbent(value, values), x
         return best_x, scored, best.score
 
     full_x, full_scored, full_best = run(False)

@@ -3,26 +3,29 @@
 Most trials of a search are clearly worse than the incumbent (the best fully scored trial)
 after a fraction of their examples. For an evaluator that can score single examples
 (:class:`~mergekit_bmm.evaluation.base.ExampleScoring`; per-example scores in [0, 1] whose
-mean is the task's score, e.g. accuracy), a trial is scored in two stages:
+mean is the task's score, e.g. accuracy), a trial is scored in stages:
 
 1. **cheap**: a fixed, stratified ``cheap`` share of every task's examples (the same
-   examples for every trial). The trial is compared with the incumbent *on those same
+   examples for every trial). The trial is compared with the incumbent *on the same
    examples* (a paired difference ``d``: what the two models share cancels, so nearby
    trials are told apart with few examples) and its full score is estimated as
-   ``incumbent + d``. Unless ``d + promote_z · se(d) > 0`` the trial ends here (a trial that
-   agrees with the incumbent on every cheap example is not promoted: at best it would beat
-   it by a hair). (Without the
-   incumbent's per-example scores, e.g. a log written before they were kept, the rule is
-   unpaired: ``cheap + promote_z · se < incumbent``.) Standard errors are
-   finite-population corrected: the full score is a mean over a fixed set.
-2. **full**: the remaining examples, in chunks taken from every task in turn. With
-   ``early_stop`` scoring stops as soon as the trial could not beat the incumbent even if
-   every remaining example were right (its score is then certainly below the incumbent).
+   ``incumbent + d``. Unless ``d + promote_z · se(d) > 0`` the trial ends here (a trial
+   that agrees with the incumbent on every cheap example is not promoted: at best it would
+   beat it by a hair). Standard errors are finite-population corrected: the full score is
+   a mean over a fixed set.
+2. **full**: the other examples, in chunks taken from every task in turn. After each
+   round of chunks the same comparison is made on every example scored so far, and the
+   trial stops once it fails it. With ``early_stop`` it also stops as soon as it could not
+   beat the incumbent even if every remaining example were right (then it is certainly
+   below the incumbent).
 
-Only fully scored trials can become the best; the first trial, with no incumbent, is
-always scored in full. A trial that ended early is told to the optimiser with its
-estimated full score (capped by the bound that stopped it): it sits below the incumbent,
-where the surrogate needs little precision.
+The incumbent's per-example scores are kept in its trial record (``values``), so the paired
+comparison survives a resume; without them (a log written before they were kept) the
+comparison is unpaired: the trial's mean over the examples scored so far, with its standard
+error. Only fully scored trials can become the best; the first trial, with no incumbent, is
+always scored in full. A trial that ended early is told to the optimiser with its estimated
+full score (capped by the bound when that stopped it): it sits below the incumbent, where the
+surrogate needs little precision.
 """
 
 from __future__ import annotations
@@ -41,20 +44,17 @@ SUBSET_SEED = 0
 
 @dataclass(frozen=True)
 class Incumbent:
-    """The best fully scored trial so far: its score and its per-example cheap-stage scores."""
+    """The best fully scored trial so far: its score and, when known, its per-example scores."""
 
     score: float
-    cheap_values: dict[str, list[float]] | None = None  # per task, in cheap-subset order
-    cheap: float | None = None  # the cheap share those values belong to
+    values: dict[str, list[float]] | None = None  # per task, every example in index order
 
     @classmethod
     def of(cls, record: Any) -> Incumbent | None:
         if record is None:
             return None
-        fidelity = record.fidelity or {}
-        packed = fidelity.get("cheap_values")
-        values = {task: unpack(text) for task, text in packed.items()} if packed else None
-        return cls(record.score, values, fidelity.get("cheap"))
+        packed = (record.fidelity or {}).get("values")
+        return cls(record.score, {task: unpack(text) for task, text in packed.items()} if packed else None)
 
 
 @dataclass
@@ -69,7 +69,7 @@ class StagedScores:
     cheap_se: float | None = None
     paired: bool = False
     promoted: bool = False  # passed the cheap stage against an incumbent
-    cheap_values: dict[str, list[float]] = field(default_factory=dict)
+    values: dict[str, dict[int, float]] = field(default_factory=dict)  # per task, by example index
     scored: int = 0
     total: int = 0
     stopped_at: str | None = None
@@ -89,8 +89,11 @@ class StagedScores:
             out["estimate"] = self.estimate
         if self.stopped_at:
             out["stopped_at"] = self.stopped_at
-        if self.level == FULL and self.cheap_values:  # a full trial may become the incumbent
-            out["cheap_values"] = {task: pack(values) for task, values in self.cheap_values.items()}
+        if self.level == FULL:  # a full trial may become the incumbent: keep what pairing needs
+            out["values"] = {
+                task: pack([values[index] for index in range(len(values))])
+                for task, values in self.values.items()
+            }
         return out
 
 
@@ -130,29 +133,57 @@ def cheap_subset(examples: Mapping[str, TaskExamples], fraction: float) -> dict[
     return chosen
 
 
-@dataclass
-class _Tally:
-    """Running sums of one task's per-example scores."""
+def _mean_and_error(values: Sequence[float], total: int) -> tuple[float, float]:
+    """Mean of ``values`` and its standard error as an estimate of the mean over ``total``
+    examples (finite-population corrected: exact once every example is in)."""
+    n = len(values)
+    if n == 0:
+        return math.nan, math.inf
+    mean = math.fsum(values) / n
+    variance = math.fsum((v - mean) ** 2 for v in values) / max(n - 1, 1)
+    return mean, math.sqrt(variance / n * max(0.0, 1.0 - n / total))
 
-    total: int
-    values: list[float] = field(default_factory=list)
 
-    @property
-    def mean(self) -> float:
-        return math.fsum(self.values) / len(self.values) if self.values else math.nan
+class _Trial:
+    """The examples scored so far, per task, and what they say against the incumbent."""
+
+    def __init__(self, examples: Mapping[str, TaskExamples], weights: Mapping[str, float]) -> None:
+        self.totals = {task: spec.count for task, spec in examples.items()}
+        weight_sum = sum(weights.get(task, 1.0) for task in examples)
+        self.shares = {task: weights.get(task, 1.0) / weight_sum for task in examples}
+        self.values: dict[str, dict[int, float]] = {task: {} for task in examples}
+
+    def add(self, task: str, indices: Sequence[int], scores: Sequence[float]) -> None:
+        self.values[task].update((index, float(value)) for index, value in zip(indices, scores))
+
+    def estimate(self, incumbent: Incumbent | None) -> tuple[float, float, bool]:
+        """(estimated full score, its standard error, paired): ``incumbent + d`` from the paired
+        differences on the examples scored when the incumbent's values are known, else the mean."""
+        theirs = incumbent.values if incumbent is not None else None
+        paired = theirs is not None and all(len(theirs.get(t, ())) == n for t, n in self.totals.items())
+        estimate, variance = (incumbent.score if paired else 0.0), 0.0
+        for task, scored in self.values.items():
+            if not scored:
+                continue
+            values = [v - theirs[task][i] for i, v in scored.items()] if paired else list(scored.values())
+            mean, error = _mean_and_error(values, self.totals[task])
+            estimate += self.shares[task] * mean
+            variance += (self.shares[task] * error) ** 2
+        return estimate, math.sqrt(variance), paired
 
     def upper_bound(self) -> float:
-        """The task's score if every example not yet scored were right (scores are ≤ 1)."""
-        return (math.fsum(self.values) + (self.total - len(self.values))) / self.total
+        """The score if every example not yet scored were right (scores are ≤ 1)."""
+        return sum(
+            self.shares[task]
+            * (math.fsum(scored.values()) + self.totals[task] - len(scored))
+            / self.totals[task]
+            for task, scored in self.values.items()
+        )
 
-    def standard_error(self) -> float:
-        n = len(self.values)
-        if n == 0:
-            return math.inf
-        mean = self.mean
-        variance = math.fsum((v - mean) ** 2 for v in self.values) / max(n - 1, 1)
-        correction = max(0.0, 1.0 - n / self.total)  # the full score is a mean over a finite set
-        return math.sqrt(variance / n * correction)
+    def means(self) -> dict[str, float]:
+        return {
+            task: math.fsum(scored.values()) / len(scored) for task, scored in self.values.items() if scored
+        }
 
 
 def staged_scores(
@@ -168,82 +199,54 @@ def staged_scores(
     """Score a trial in stages (see the module's docstring); ``cheap`` None scores in one stage."""
     if isinstance(incumbent, (int, float)):
         incumbent = Incumbent(float(incumbent))
-    tallies = {task: _Tally(spec.count) for task, spec in examples.items()}
-    total = sum(spec.count for spec in examples.values())
+    trial = _Trial(examples, weights)
     first = cheap_subset(examples, cheap) if cheap is not None and cheap < 1 else {}
-    result = StagedScores(per_task={}, total=total, cheap=cheap if first else None)
-    shares = _shares(weights, tallies)
+    result = StagedScores(per_task={}, total=sum(trial.totals.values()), cheap=cheap if first else None)
+
+    def behind() -> bool:
+        """Whether the trial fails the comparison with the incumbent on what it has scored."""
+        estimate, error, result.paired = trial.estimate(incumbent)
+        result.estimate = round(min(estimate, trial.upper_bound()), 6)
+        return estimate + promote_z * error <= incumbent.score
+
     if first:
         for task, indices in first.items():
-            result.cheap_values[task] = [float(v) for v in score(task, indices)]
-            tallies[task].values.extend(result.cheap_values[task])
-        result.cheap_score = sum(shares[t] * tally.mean for t, tally in tallies.items())
-        result.cheap_se = _standard_error(tallies, shares)
+            trial.add(task, indices, score(task, indices))
+        result.cheap_score, result.cheap_se, _ = trial.estimate(None)
         if incumbent is not None:
-            estimate, margin = _compare(result, incumbent, tallies, shares, first)
-            if estimate + promote_z * margin <= incumbent.score:
-                result.estimate = round(estimate, 6)
-                return _finish(result, tallies, CHEAP)
+            if behind():
+                return _finish(result, trial, CHEAP)
             result.promoted = True
     rest = {}
-    for task, spec in examples.items():
+    for task, total in trial.totals.items():
         taken = set(first.get(task, ()))
-        rest[task] = [i for i in range(spec.count) if i not in taken]
-    for task, indices in _round_robin({task: _chunks(indices, chunk) for task, indices in rest.items()}):
-        tallies[task].values.extend(float(v) for v in score(task, indices))
-        if early_stop and incumbent is not None:
-            bound = sum(shares[t] * tally.upper_bound() for t, tally in tallies.items())
-            if bound <= incumbent.score:
-                done = len(tallies[task].values)
-                result.stopped_at = f"{task} after {done} of {tallies[task].total} examples"
-                seen = sum(shares[t] * tally.mean for t, tally in tallies.items() if tally.values)
-                if result.cheap_score is not None:
-                    seen = _compare(result, incumbent, tallies, shares, first)[0]
-                result.estimate = round(min(seen, bound), 6)
-                return _finish(result, tallies, STOPPED)
-    return _finish(result, tallies, FULL)
+        rest[task] = [i for i in range(total) if i not in taken]
+    for position, task, indices in _round_robin(
+        {task: _chunks(indices, chunk) for task, indices in rest.items()}
+    ):
+        trial.add(task, indices, score(task, indices))
+        if incumbent is None:
+            continue
+        if early_stop and trial.upper_bound() <= incumbent.score:
+            result.stopped_at = (
+                f"{task} after {len(trial.values[task])} of {trial.totals[task]} examples (bound)"
+            )
+            behind()
+            return _finish(result, trial, STOPPED)
+        last_of_round = position.last
+        if first and last_of_round and behind():
+            done = sum(len(scored) for scored in trial.values.values())
+            result.stopped_at = f"after {done} of {result.total} examples (estimate)"
+            return _finish(result, trial, STOPPED)
+    result.estimate = None
+    return _finish(result, trial, FULL)
 
 
-def _shares(weights: Mapping[str, float], tasks: Mapping[str, Any]) -> dict[str, float]:
-    total = sum(weights.get(task, 1.0) for task in tasks)
-    return {task: weights.get(task, 1.0) / total for task in tasks}
-
-
-def _standard_error(tallies: Mapping[str, _Tally], shares: Mapping[str, float]) -> float:
-    return math.sqrt(sum((shares[t] * tally.standard_error()) ** 2 for t, tally in tallies.items()))
-
-
-def _compare(
-    result: StagedScores,
-    incumbent: Incumbent,
-    tallies: Mapping[str, _Tally],
-    shares: Mapping[str, float],
-    first: Mapping[str, list[int]],
-) -> tuple[float, float]:
-    """(estimated full score, its standard error) from the cheap stage: paired with the
-    incumbent's cheap-stage scores when they belong to the same subset, else unpaired."""
-    theirs = incumbent.cheap_values
-    same = (
-        theirs is not None
-        and incumbent.cheap == result.cheap
-        and all(len(theirs.get(task, ())) == len(indices) for task, indices in first.items())
-    )
-    if not same:
-        return result.cheap_score, result.cheap_se
-    differences = {}
-    for task in first:
-        tally = _Tally(tallies[task].total)
-        tally.values = [a - b for a, b in zip(result.cheap_values[task], theirs[task])]
-        differences[task] = tally
-    result.paired = True
-    gap = sum(shares[t] * tally.mean for t, tally in differences.items())
-    return incumbent.score + gap, _standard_error(differences, shares)
-
-
-def _finish(result: StagedScores, tallies: Mapping[str, _Tally], level: str) -> StagedScores:
+def _finish(result: StagedScores, trial: _Trial, level: str) -> StagedScores:
     result.level = level
-    result.per_task = {task: tally.mean for task, tally in tallies.items() if tally.values}
-    result.scored = sum(len(tally.values) for tally in tallies.values())
+    result.per_task = trial.means()
+    result.values = trial.values
+    result.scored = sum(len(scored) for scored in trial.values.values())
     return result
 
 
@@ -251,15 +254,23 @@ def _chunks(indices: list[int], size: int) -> list[list[int]]:
     return [indices[start : start + size] for start in range(0, len(indices), size)]
 
 
-def _round_robin(chunks: Mapping[str, list[list[int]]]) -> list[tuple[str, list[int]]]:
-    """One chunk of every task in turn, so every task is covered early (a tighter bound)."""
+@dataclass(frozen=True)
+class _Position:
+    round: int
+    last: bool  # the last chunk of its round: every task has advanced once
+
+
+def _round_robin(chunks: Mapping[str, list[list[int]]]) -> list[tuple[_Position, str, list[int]]]:
+    """One chunk of every task in turn, so every task is covered early (a tighter comparison)."""
     order = []
     for position in range(max((len(c) for c in chunks.values()), default=0)):
-        order.extend(
+        this_round = [
             (task, task_chunks[position])
             for task, task_chunks in chunks.items()
             if position < len(task_chunks)
-        )
+        ]
+        for offset, (task, indices) in enumerate(this_round):
+            order.append((_Position(position, offset == len(this_round) - 1), task, indices))
     return order
 
 
