@@ -259,6 +259,14 @@ def test_a_classification_search_scores_in_stages_and_resumes(tmp_path):
     )
     assert len(resumed.records) == 10 and resumed.replayed == 8
 
+    workers = {**fields, "budget": 6, "parallel": {"workers": 2}}  # the incumbent travels to each worker
+    parallel = run_search(
+        make_config(family, evaluator, **workers), tmp_path / "workers", quiet(skip_best=True)
+    )
+    assert {r.worker for r in parallel.records} == {"w0", "w1"}
+    assert all(r.fidelity for r in parallel.records) and parallel.records[0].fidelity["level"] == "full"
+    assert parallel.records[parallel.summary.best_trial].fidelity["level"] == "full"
+
 
 @pytest.mark.slow
 def test_lm_eval_scores_single_documents_as_it_scores_the_task(tmp_path, monkeypatch):
