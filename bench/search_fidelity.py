@@ -114,6 +114,7 @@ def measure(run: dict, values: dict[str, list[float]]) -> dict:
         "best_validation": summary["best_score"],
         "best_values": summary["best_values"],
         "test": [round(estimate, 4), round(low, 4), round(high, 4)],
+        "end_seconds": round(max((r["time"]["elapsed"] for r in records), default=0.0), 1),
         "curve": [
             [round(r["time"]["elapsed"], 1), r["score"]]
             for r in records
@@ -166,6 +167,10 @@ def plot(results: dict, path: Path) -> None:
             best = score if best is None else max(best, score)
             xs.append(elapsed / 60)
             ys.append(100 * best)
+        end = results[mode].get("end_seconds")
+        if end and ys:  # the best so far holds until the last trial ends
+            xs.append(end / 60)
+            ys.append(ys[-1])
         ax.step(xs, ys, where="post", label=f"{mode} ({results[mode]['trials_per_hour']:.0f} trials/h)")
     ax.set_xlabel("wall time of the trials (min)")
     ax.set_ylabel("best validation score (%)")
