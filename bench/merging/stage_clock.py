@@ -39,7 +39,7 @@ class StageClock:
 
     def fill_from_records(self, name: str, seconds: float | None) -> None:
         """A stage built before the clock: its own records' time, if the clock has none."""
-        if name not in self.entries and seconds:
+        if name not in self.entries and seconds and seconds >= REPLAY_SECONDS:  # not a cached replay
             self.entries[name] = {"seconds": round(seconds, 1), "invocations": 0, "from_records": True}
             write_json(self.path, self.entries)
 
