@@ -12,6 +12,7 @@ activation Gram averages the experts where their inputs overlap, and the sweeps 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,13 @@ def _norm_ratios(resident, scale: float) -> dict[str, float]:
     return {group: math.sqrt(merged[group] / anchor[group]) for group in merged if anchor.get(group)}
 
 
-def sweep_setting(spec: SweepSpec, search: dict[str, Any], cache: Path, progress: str = "") -> dict[str, Any]:
-    """Every point of one setting's sweeps (a resident model, scored on validation)."""
+def sweep_setting(
+    spec: SweepSpec, search: dict[str, Any], cache: Path, progress: str = "", done: Path | None = None
+) -> dict[str, Any]:
+    """Every point of one setting's sweeps (a resident model, scored on validation).
+
+    ``done`` (JSONL) keeps each finished point as it is scored: an interrupted sweep resumes there.
+    """
     from tqdm.auto import tqdm
 
     from mergekit_bmm.evaluation import make_evaluator
@@ -69,8 +75,12 @@ def sweep_setting(spec: SweepSpec, search: dict[str, Any], cache: Path, progress
             points.append((group, value, {**reference, f"block0.{group}": value}))
     for value in spec.scales:
         points.append(("scale", value, {**reference, "block0.scale": value}))
+    finished = _finished_points(done)
     rows = []
     for along, value, values in tqdm(points, desc=progress, leave=False):
+        if (along, value) in finished:
+            rows.append(finished[(along, value)])
+            continue
         resident.apply(values)
         per_task = evaluator.evaluate_model(resident.model, resident.tokenizer)
         rows.append(
@@ -83,9 +93,26 @@ def sweep_setting(spec: SweepSpec, search: dict[str, Any], cache: Path, progress
                 "norm_ratio": _norm_ratios(resident, values["block0.scale"]),
             }
         )
+        if done is not None:
+            with open(done, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(rows[-1]) + "\n")
     del resident
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return {"reference": reference, "points": rows}
+
+
+def _finished_points(done: Path | None) -> dict[tuple[str, Any], dict[str, Any]]:
+    """Points an interrupted sweep already scored (a torn last line is ignored)."""
+    if done is None or not done.is_file():
+        return {}
+    finished = {}
+    for line in done.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        finished[(row["along"], row["value"])] = row
+    return finished
 
 
 def run_sweeps(
@@ -115,7 +142,8 @@ def _sweep_settings(spec: SweepSpec, searches: dict[str, dict[str, Any]], cache_
             out["settings"][setting] = read_json(path)
             continue
         factors = cache_dir / "sweeps" / f"factors-{spec.anchor}-{setting}"
-        result = sweep_setting(spec, search, factors, progress=f"sweeps {setting}")
+        done = path.with_name(path.stem + ".points.jsonl")
+        result = sweep_setting(spec, search, factors, progress=f"sweeps {setting}", done=done)
         write_json(path, result)
         out["settings"][setting] = result
 
