@@ -114,20 +114,13 @@ def test_zero_shot_run_stops_experts_early_and_reports_range(tmp_path):
     """A tiny run with zero-shot heads and early stopping: heads are cosine heads, each expert's
     held-out curve and kept step are recorded and drawn, and the range figures are reported."""
     from click.testing import CliRunner
-    from test_benchmark_smoke import write_task
+    from test_benchmark_smoke import tiny_encoder_config, write_task
 
     from bench.merging.__main__ import main
     from mergekit_bmm.evaluation.classification import load_head
-    from mergekit_bmm.examples.tiny_models import make_base
 
-    model, tokenizer = make_base("bert", hidden=32, layers=2, seed=0)
-    model.save_pretrained(tmp_path / "tiny-bert")
-    tokenizer.save_pretrained(tmp_path / "tiny-bert")
     config = {
-        "name": "zs",
-        "encoder": {"name": "tiny-bert", "path": str(tmp_path / "tiny-bert")},
-        "max_length": 16,
-        "eval_batch_size": 16,
+        **tiny_encoder_config(tmp_path, "zs"),
         "head": {"kind": "zero_shot", "scale": 20.0},
         "tasks": [
             {

@@ -38,19 +38,26 @@ def write_task(path: Path, kind: str, n: int, seed: int, with_split: bool) -> Pa
     return path
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_encoder_config(root: Path, name: str) -> dict:
+    """A tiny BERT saved under ``root`` and the benchmark config fields that point at it."""
     from mergekit_bmm.examples.tiny_models import make_base
 
-    root = tmp_path_factory.mktemp("bench")
     model, tokenizer = make_base("bert", hidden=32, layers=2, seed=0)
     model.save_pretrained(root / "tiny-bert")
     tokenizer.save_pretrained(root / "tiny-bert")
-    config = {
-        "name": "smoke",
+    return {
+        "name": name,
         "encoder": {"name": "tiny-bert", "path": str(root / "tiny-bert")},
         "max_length": 16,
         "eval_batch_size": 16,
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    config = {
+        **tiny_encoder_config(root, "smoke"),
         "tasks": [
             {
                 "name": "mood",
