@@ -72,6 +72,16 @@ def interrupts_on(model_dir: Path, trial: int) -> float:
     return 1.0
 
 
+def _first_to_mark(marker: str) -> bool:
+    """Creates ``marker`` atomically: True in exactly one of the processes that race for it."""
+    try:
+        with open(marker, "x") as handle:
+            handle.write("marked")
+    except FileExistsError:
+        return False
+    return True
+
+
 def kills_its_worker_once(model, tokenizer, marker: str, on_call: int = 2) -> dict[str, float]:
     """Scores like ``per_task_scores``, but the process dies (SIGKILL) on its ``on_call``-th call
     unless ``marker`` exists; it creates the marker first, so the trial's re-run succeeds."""
@@ -79,8 +89,7 @@ def kills_its_worker_once(model, tokenizer, marker: str, on_call: int = 2) -> di
     import signal
 
     _calls.append(1)
-    if len(_calls) == on_call and not Path(marker).exists():
-        Path(marker).write_text(str(os.getpid()))
+    if len(_calls) == on_call and _first_to_mark(marker):
         os.kill(os.getpid(), signal.SIGKILL)
     return per_task_scores(model, tokenizer)
 
@@ -101,7 +110,6 @@ def hangs_once(model, tokenizer, marker: str, seconds: float = 600.0) -> dict[st
     later calls, in any process, score like ``per_task_scores``."""
     import time
 
-    if not Path(marker).exists():
-        Path(marker).write_text("hung")
+    if _first_to_mark(marker):
         time.sleep(seconds)
     return per_task_scores(model, tokenizer)
