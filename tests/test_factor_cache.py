@@ -43,15 +43,15 @@ def delta_error(got, expected, base) -> float:
 
 @pytest.fixture
 def factorisations(monkeypatch):
-    """Counts eigendecompositions, i.e. cache misses of solved tensors."""
+    """Counts eigendecompositions, i.e. cache misses of solved tensors' bases."""
     calls = []
-    original = closed_form.eigen_factors
+    original = closed_form.diagonalise
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(closed_form, "eigen_factors", counting)
+    monkeypatch.setattr(closed_form, "diagonalise", counting)
     return calls
 
 
@@ -102,7 +102,8 @@ def test_float64_cache_is_tighter(tmp_path):
         assert delta_error(cached, direct, tensors[0]) <= 1e-12
     from safetensors import safe_open
 
-    with safe_open(str(tmp_path / entries(tmp_path)[0]), framework="pt") as handle:
+    (basis,) = (tmp_path / "bases").glob("*.safetensors")
+    with safe_open(str(basis), framework="pt") as handle:
         assert handle.get_tensor("basis").dtype == torch.float64
 
 
@@ -130,21 +131,71 @@ def test_lambda_to_zero_on_a_singular_gram(tmp_path, lam):
     assert delta_error(cached, expected, base) <= 1e-5
 
 
+def cache_bytes(cache: Path) -> int:
+    return sum(p.stat().st_size for p in cache.rglob("*.safetensors"))
+
+
+def stored_dtypes(cache: Path) -> dict[str, torch.dtype]:
+    from safetensors import safe_open
+
+    dtypes = {}
+    for path in cache.rglob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in ("basis", "correction", "anchor"):
+                if name in handle.keys():
+                    dtypes[name] = handle.get_tensor(name).dtype
+    return dtypes
+
+
 def test_float16_factors_halve_the_cache_at_a_small_measured_error(tmp_path):
     tensors = inputs(shape=(96, 64), tasks=4, seed=4)
     direct = bmm(tensors, **{"lambda": 0.1})
-    single = bmm(tensors, cache=str(tmp_path / "f32"), **{"lambda": 0.1})
+    single = bmm(tensors, cache=str(tmp_path / "f32"), cache_dtype="float32", **{"lambda": 0.1})
     half = bmm(tensors, cache=str(tmp_path / "f16"), cache_dtype="float16", **{"lambda": 0.1})
     assert delta_error(single, direct, tensors[0]) <= 1e-5
     assert 1e-5 < delta_error(half, direct, tensors[0]) <= 2e-3
     assert torch.equal(
         half, bmm(tensors, cache=str(tmp_path / "f16"), cache_dtype="float16", **{"lambda": 0.1})
     )
-    sizes = {p: (tmp_path / p / entries(tmp_path / p)[0]).stat().st_size for p in ("f32", "f16")}
     weights = 96 * 64
-    # Q (in × in), C Q and U0 Q (out × in): 4·(in/out + 2) bytes per weight in float32.
-    assert sizes["f32"] / weights == pytest.approx(4 * (64 / 96 + 2), rel=0.05)
-    assert sizes["f16"] / weights == pytest.approx(2 * (64 / 96 + 2), rel=0.1)
+    # Q (in × in), the correction E·Q and the anchor U0 (out × in): 4·(in/out + 2) bytes per
+    # weight in float32, half that in float16 (plus a float32 scale per column).
+    assert cache_bytes(tmp_path / "f32") / weights == pytest.approx(4 * (64 / 96 + 2), rel=0.05)
+    assert cache_bytes(tmp_path / "f16") / weights == pytest.approx(2 * (64 / 96 + 2), rel=0.15)
+
+
+@pytest.mark.parametrize("spread, expected", [(1e-3, torch.float16), (0.3, torch.float32)])
+def test_auto_precision_stays_within_1e_5_of_float32_factors(tmp_path, spread, expected):
+    """``auto`` (the default) stores float16 where that keeps every merged weight within 1e-5
+    (relative) of float32 factors for λ ≥ 1e-3 and s ≤ 2.2, float32 where it would not."""
+    generator = torch.Generator().manual_seed(12)
+    base = torch.randn(96, 64, generator=generator)
+    tensors = [base, *(base + spread * torch.randn(96, 64, generator=generator) for _ in range(3))]
+    bmm(tensors, cache=str(tmp_path / "auto"), **{"lambda": 0.1})
+    assert set(stored_dtypes(tmp_path / "auto").values()) == {expected}
+    for lam in (1e-3, 0.1, 10.0):
+        for scale in (1.0, 2.2):
+            parameters = {"lambda": lam, "scale": scale}
+            auto = bmm(tensors, cache=str(tmp_path / "auto"), **parameters).double()
+            single = bmm(tensors, cache=str(tmp_path / "f32"), cache_dtype="float32", **parameters).double()
+            assert relative_error(auto, single) <= 1e-5, parameters
+    ratio = cache_bytes(tmp_path / "auto") / cache_bytes(tmp_path / "f32")
+    assert ratio == pytest.approx(0.5 if expected == torch.float16 else 1.0, rel=0.1)
+
+
+def test_a_thin_basis_when_the_gram_has_fewer_rows_than_columns(tmp_path):
+    # T·out = 3·8 = 24 < in = 40: G has rank 24, so the basis keeps 24 columns.
+    tensors = inputs(shape=(8, 40), tasks=3, seed=13)
+    exact = [t.double() for t in tensors]
+    for lam in (0.0, 1e-3, 0.01, 1.0):
+        reference = bmm(exact, compute_dtype="float64", **{"lambda": lam})  # float64, direct route
+        cached = bmm(tensors, cache=str(tmp_path), cache_dtype="float32", **{"lambda": lam})
+        assert delta_error(cached, reference, tensors[0]) <= 1e-6
+    from safetensors import safe_open
+
+    (basis,) = (tmp_path / "bases").glob("*.safetensors")
+    with safe_open(str(basis), framework="pt") as handle:
+        assert tuple(handle.get_tensor("basis").shape) == (40, 24)
 
 
 def test_the_key_covers_inputs_anchor_and_solve_settings(tmp_path, factorisations):
@@ -166,20 +217,25 @@ def test_the_key_covers_inputs_anchor_and_solve_settings(tmp_path, factorisation
         ({}, {"weight_layout": "in_out"}),
         ({"name": "model.layers.2.mlp.down_proj.weight"}, {}),
     ]
-    for index, (call, parameters) in enumerate(variants, start=2):
+    # Only a new G needs a new eigendecomposition: data-free G = Σ U_tᵀU_t does not depend on
+    # the anchor or the tensor's name, so those entries reuse the stored basis.
+    new_gram = {0, 7, 8, 9}
+    for index, (call, parameters) in enumerate(variants):
+        before = len(factorisations)
         merged = bmm(call.get("tensors", tensors), name=call.get("name", NAME), cache=cache, **parameters)
-        assert len(entries(tmp_path)) == index, parameters
+        assert len(entries(tmp_path)) == index + 2, parameters
+        assert len(factorisations) == before + (index in new_gram), parameters
         direct = bmm(call.get("tensors", tensors), name=call.get("name", NAME), **parameters)
         tolerance = 1e-3 if parameters.get("cache_dtype") == "float16" else 1e-5
         assert delta_error(merged, direct, tensors[0]) <= tolerance, parameters
-    assert len(factorisations) == len(variants) + 1
+    assert len(list((tmp_path / "bases").glob("*.safetensors"))) == len(factorisations) == 5
     # λ, s and lambda_mode are applied to the factors: no new entry, no factorisation.
     bmm(tensors, cache=cache, lambda_mode="absolute", **{"lambda": 2.0, "scale": 0.3})
     assert len(entries(tmp_path)) == len(variants) + 1
-    assert len(factorisations) == len(variants) + 1
+    assert len(factorisations) == 5
 
 
-def _stats_dir(root: Path, ids: list[str], in_features: int, seed: int) -> Path:
+def _stats_dir(root: Path, ids: list[str], in_features: int, seed: int, names=(NAME,)) -> Path:
     generator = torch.Generator().manual_seed(seed)
     tasks = []
     for index, model in enumerate(ids):
@@ -188,7 +244,7 @@ def _stats_dir(root: Path, ids: list[str], in_features: int, seed: int) -> Path:
         tasks.append(
             TaskStats(name=f"t{index}", model=model, file=f"t{index}.safetensors", samples=4, tokens=96)
         )
-    manifest = StatsManifest(package_version=__version__, tasks=tasks, modules={NAME: "g"})
+    manifest = StatsManifest(package_version=__version__, tasks=tasks, modules=dict.fromkeys(names, "g"))
     write_manifest(root, manifest)
     return root
 
@@ -214,6 +270,22 @@ def test_statistics_and_epsilon_are_keyed(tmp_path):
     _stats_dir(stats, ids[1:], 32, seed=1)  # statistics collected again, different data
     both(gram="activations")
     assert len(entries(cache)) == 4
+
+
+def test_weights_reading_one_input_share_one_basis(tmp_path, factorisations):
+    """q/k/v (and gate/up) read the same input: in the activations mode their Gram is the same
+    matrix, diagonalised and stored once; each keeps its own correction and anchor."""
+    names = [f"model.layers.1.self_attn.{p}_proj.weight" for p in ("q", "k", "v")]
+    ids = ["/models/base", "/models/a", "/models/b", "/models/c"]
+    stats = _stats_dir(tmp_path / "stats", ids[1:], 32, seed=0, names=names)
+    for index, (name, rows) in enumerate(zip(names, (32, 8, 8))):
+        tensors = inputs(shape=(rows, 32), seed=20 + index)
+        parameters = {"stats": str(stats), "gram": "activations"}
+        cached = bmm(tensors, name=name, ids=ids, cache=str(tmp_path / "cache"), **parameters)
+        direct = bmm(tensors, name=name, ids=ids, **parameters)
+        assert delta_error(cached, direct, tensors[0]) <= 1e-5
+    assert len(entries(tmp_path / "cache")) == 3
+    assert len(list((tmp_path / "cache" / "bases").glob("*.safetensors"))) == len(factorisations) == 1
 
 
 def test_statistics_of_a_regmean_anchor_are_keyed(tmp_path):
@@ -255,11 +327,25 @@ def test_a_damaged_entry_is_ignored_logged_and_rewritten(tmp_path, caplog, facto
         again = bmm(tensors, cache=str(tmp_path))
     assert torch.equal(again, first)
     assert any("bmm cache: ignoring" in r.getMessage() and name in r.getMessage() for r in caplog.records)
-    assert len(factorisations) == 2
+    assert len(factorisations) == 1  # the Gram's stored basis was sound and is reused
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mergekit_bmm"):
         assert torch.equal(bmm(tensors, cache=str(tmp_path)), first)
-    assert not caplog.records and len(factorisations) == 2  # the rewritten entry is read
+    assert not caplog.records and len(factorisations) == 1  # the rewritten entry is read
+
+
+def test_a_damaged_basis_is_ignored_logged_and_rebuilt(tmp_path, caplog, factorisations):
+    tensors = inputs(seed=7)
+    first = bmm(tensors, cache=str(tmp_path))
+    (basis,) = (tmp_path / "bases").glob("*.safetensors")
+    data = basis.read_bytes()
+    basis.write_bytes(data[:-5] + bytes([data[-5] ^ 0x10]) + data[-4:])
+    with caplog.at_level(logging.WARNING, logger="mergekit_bmm"):
+        assert torch.equal(bmm(tensors, cache=str(tmp_path)), first)
+    assert any(
+        "bmm cache: ignoring" in r.getMessage() and basis.name in r.getMessage() for r in caplog.records
+    )
+    assert len(factorisations) == 2
 
 
 def test_unsolved_tensors_cache_computed_anchors_only(tmp_path):

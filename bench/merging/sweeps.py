@@ -27,17 +27,15 @@ SETTING_LABELS = {"data_free": "data-free", "data_assisted": "data-assisted"}
 
 
 def _norm_ratios(resident, scale: float) -> dict[str, float]:
-    """Per group, ‖U‖ / ‖U0‖ over its solved tensors (U = (W − W_pre)/s; Q orthogonal: ‖U0 Q‖ = ‖U0‖)."""
+    """Per group, ‖U‖ / ‖U0‖ over its solved tensors (U = (W − W_pre)/s)."""
     merged: dict[str, float] = {}
     anchor: dict[str, float] = {}
     for solved in resident.solved.values():
         factors = solved.factors_now(resident.device)
         update = (solved.target.double() - solved.base.double()) / scale
         merged[solved.group] = merged.get(solved.group, 0.0) + float(update.square().sum())
-        anchor_basis = factors.anchor_basis.double()
-        if factors.anchor_scale is not None:
-            anchor_basis = anchor_basis * factors.anchor_scale.double()
-        anchor[solved.group] = anchor.get(solved.group, 0.0) + float(anchor_basis.square().sum())
+        prior = factors.decoded("anchor", torch.float64)
+        anchor[solved.group] = anchor.get(solved.group, 0.0) + float(prior.square().sum())
     return {group: math.sqrt(merged[group] / anchor[group]) for group in merged if anchor.get(group)}
 
 

@@ -216,33 +216,43 @@ def _ridge_is_regular(ridge: float, diagonal_max: float, d_in: int, dtype: torch
 
 @dataclass(frozen=True)
 class EigenFactors:
-    """``G = Q Λ Qᵀ`` with ``C Q`` and ``U0 Q``: everything a new λ needs.
+    """``G = Q Λ Qᵀ``, the correction ``E Q = (C − U0 G) Q`` and the anchor ``U0``: all a new λ needs.
 
-    ``U(λ') = (C Q · a + U0 Q · b) Qᵀ`` with ``a = 1/(Λ+λ')`` and ``b = λ'/(Λ+λ')``.
-    Where :func:`solve` would take its eigen fallback (λ' at or below the zero tolerance
-    of ``max diag G``), eigenvalues below the zero tolerance get ``a = 0, b = 1`` instead,
-    exactly as that fallback does; above it no eigenvalue is clipped, as in the Cholesky
-    solve (clipping there would drop real, small directions of ``G``).
+    ``U(λ') = U0 + (E Q · a) Qᵀ`` with ``a = 1/(Λ + λ')``: the anchor is kept apart and only
+    the correction goes through the basis. This equals ``(C Q·a + U0 Q·b) Qᵀ`` with
+    ``b = λ'/(Λ+λ')`` (the paper's form) because ``1 − Λa = b``, and it needs no ``U0 Q``:
+    directions the basis leaves out keep the anchor exactly. So the basis may be *thin*
+    (``in × r``): when ``G`` has rank at most ``r < in`` (data-free, ``T·out < in``) the other
+    directions have ``Λ = 0`` and ``E Q = 0`` and are dropped.
+
+    Where :func:`solve` would take its eigen fallback (λ' at or below the zero tolerance of
+    ``max diag G``), eigenvalues below the zero tolerance get ``a = 0`` (the anchor), exactly
+    as that fallback does; above it no eigenvalue is clipped, as in the Cholesky solve.
 
     Factors may be stored at a lower precision than the solve (float16 in a cache), as
-    matrices whose columns are multiplied by ``*_scale`` vectors; the scales are folded
-    into ``a`` and ``b``, so no rescaled copy of a matrix is ever made. The eigenvalues'
-    dtype is the dtype of the solve.
+    matrices whose columns are multiplied by ``*_scale`` vectors; the scales are folded into
+    ``a`` (or applied while adding the anchor), so no rescaled copy of a matrix is made. The
+    eigenvalues' dtype is the dtype of the solve.
     """
 
     basis: torch.Tensor
     eigenvalues: torch.Tensor
-    cross_basis: torch.Tensor
-    anchor_basis: torch.Tensor
+    correction: torch.Tensor
+    anchor: torch.Tensor
     mean_eigenvalue: float
     diagonal_max: float | None = None
     basis_scale: torch.Tensor | None = None
-    cross_scale: torch.Tensor | None = None
+    correction_scale: torch.Tensor | None = None
     anchor_scale: torch.Tensor | None = None
 
     @property
     def d_in(self) -> int:
         return self.basis.shape[0]
+
+    @property
+    def rank(self) -> int:
+        """Columns of the basis: ``d_in``, or fewer for a thin basis."""
+        return self.basis.shape[1]
 
     def to(self, device: torch.device | str) -> EigenFactors:
         """The same factors on ``device`` (no copy when already there)."""
@@ -253,10 +263,27 @@ class EigenFactors:
         }
         return EigenFactors(**moved)
 
-    def decoded_basis(self, dtype: torch.dtype) -> torch.Tensor:
-        """``Q`` itself in ``dtype`` (its column scales applied when stored in float16)."""
-        basis = self.basis.to(dtype)
-        return basis if self.basis_scale is None else basis * self.basis_scale.to(dtype)
+    def decoded(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """``basis``, ``correction`` or ``anchor`` itself in ``dtype`` (column scales applied)."""
+        matrix = getattr(self, name).to(dtype)
+        scale = getattr(self, f"{name}_scale")
+        return matrix if scale is None else matrix * scale.to(dtype)
+
+    def complete_eigen(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Λ, Q)`` over all of ``d_in``: a thin basis is completed by an orthonormal basis of
+        its complement, with eigenvalue 0 (what the posterior sampler needs)."""
+        basis = self.decoded("basis", dtype)
+        eigenvalues = self.eigenvalues.to(dtype)
+        missing = self.d_in - self.rank
+        if missing <= 0:
+            return eigenvalues, basis
+        generator = torch.Generator(device=basis.device).manual_seed(0)
+        filler = torch.randn(self.d_in, missing, generator=generator, dtype=dtype, device=basis.device)
+        for _ in range(2):  # projected out twice: once leaves rounding-level overlap
+            filler -= basis @ (basis.T @ filler)
+        complement, _ = torch.linalg.qr(filler)
+        zeros = eigenvalues.new_zeros(missing)
+        return torch.cat([zeros, eigenvalues]), torch.cat([complement, basis], dim=1)
 
     def ridge(self, lam: float, mode: LambdaMode = "relative") -> float:
         return ridge_of(lam, self.mean_eigenvalue, mode)
@@ -269,88 +296,124 @@ def _check_anchor(equations: NormalEquations, anchor: torch.Tensor) -> None:
         )
 
 
+def diagonalise(gram: torch.Tensor, dtype: torch.dtype, rank: int | None = None) -> tuple[torch.Tensor, ...]:
+    """``(Λ, Q)`` of ``G`` in ``dtype``, ascending; with ``rank`` only the ``rank`` largest."""
+    gram = gram.to(dtype)
+    eigenvalues, basis = torch.linalg.eigh(0.5 * (gram + gram.T))
+    if rank is not None and rank < basis.shape[1]:
+        eigenvalues, basis = eigenvalues[-rank:].contiguous(), basis[:, -rank:].contiguous()
+    return eigenvalues, basis
+
+
+def correction_in_basis(
+    equations: NormalEquations, anchor: torch.Tensor, basis: torch.Tensor
+) -> torch.Tensor:
+    """``(C − U0 G) Q`` in ``basis``'s dtype.
+
+    Formed from ``G`` itself rather than as ``C Q − U0 Q Λ``: it stays right when ``Q`` is a
+    rounded copy of the eigenvectors (a stored basis), which then is simply the basis used.
+    """
+    dtype = basis.dtype
+    anchor = anchor.to(device=basis.device, dtype=dtype)
+    residual = equations.cross.to(dtype) - anchor @ equations.gram.to(dtype)
+    return residual @ basis
+
+
 def eigen_factors(
-    equations: NormalEquations, anchor: torch.Tensor, dtype: torch.dtype | None = None
+    equations: NormalEquations,
+    anchor: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    rank: int | None = None,
 ) -> EigenFactors:
-    """Diagonalise ``G`` once; any λ is then a single (out × in × in) product.
+    """Diagonalise ``G`` once; any λ is then a single (out × in × r) product.
 
     ``dtype`` (default: the Gram's) is the precision of the factorisation. Computing it
     in float64 and rounding the factors afterwards makes the factored route as accurate
-    as a float64 solve of the same ``G`` and ``C``: each column of ``C Q`` is then right
-    to its own relative precision, whereas a float32 ``eigh`` and ``C Q`` carry errors
-    of ``eps·‖C‖`` that ``1/(λ_i + λ')`` amplifies in the small directions.
+    as a float64 solve of the same ``G`` and ``C``: each column of ``E Q`` is then right
+    to its own relative precision, whereas a float32 ``eigh`` and ``E Q`` carry errors
+    of ``eps·‖C‖`` that ``1/(λ_i + λ')`` amplifies in the small directions. ``rank`` keeps
+    only that many of the largest eigenvalues (a bound on ``G``'s rank: see the class).
     """
     _check_anchor(equations, anchor)
     dtype = dtype or equations.gram.dtype
-    gram = equations.gram.to(dtype)
-    eigenvalues, basis = torch.linalg.eigh(0.5 * (gram + gram.T))
-    del gram
-    anchor = anchor.to(device=basis.device, dtype=dtype)
+    eigenvalues, basis = diagonalise(equations.gram, dtype, rank)
     return EigenFactors(
         basis=basis,
         eigenvalues=eigenvalues,
-        cross_basis=equations.cross.to(dtype) @ basis,
-        anchor_basis=anchor @ basis,
+        correction=correction_in_basis(equations, anchor, basis),
+        anchor=anchor.to(device=basis.device, dtype=dtype),
         mean_eigenvalue=equations.mean_eigenvalue,
         diagonal_max=_diagonal_max(equations.gram),
     )
 
 
-def factor_coefficients(factors: EigenFactors, ridge: float) -> torch.Tensor:
-    """``C Q·a + U0 Q·b``, so that ``U(λ') = coefficients @ basisᵀ`` (the stored basis)."""
+def correction_weights(factors: EigenFactors, ridge: float, folded: bool = True) -> torch.Tensor:
+    """``a = 1/(Λ + λ')`` per basis direction (0 where the anchor is kept).
+
+    ``folded``: the column scales of a low-precision correction and basis are multiplied in,
+    so that ``U − U0 = (stored correction · a) @ stored basisᵀ``.
+    """
     if ridge < 0 or ridge != ridge:
         raise ConfigError(f"the effective ridge must be >= 0; got {ridge}")
     eigenvalues = factors.eigenvalues
     compute = eigenvalues.dtype
     scale = factors.diagonal_max if factors.diagonal_max is not None else float(eigenvalues.max())
-    if _ridge_dominates(ridge, scale):  # b = 1/(1 + Λ/λ'), a = b/λ': finite for any λ'
+    if _ridge_dominates(ridge, scale):  # a = (1/λ')/(1 + Λ/λ'): finite for any λ'
         inverse = 1.0 / ridge
-        anchor_weight = 1.0 / (1.0 + eigenvalues.clamp_min(0.0) * inverse)
-        data_weight = anchor_weight * inverse
+        weights = inverse / (1.0 + eigenvalues.clamp_min(0.0) * inverse)
     else:
         if _ridge_is_regular(ridge, scale, factors.d_in, compute):
             eigenvalues = eigenvalues.clamp_min(0.0)
             kept = torch.ones_like(eigenvalues, dtype=torch.bool)
         else:
-            tolerance = zero_tolerance(float(eigenvalues.max()), factors.d_in, compute)
+            largest = float(eigenvalues.max()) if eigenvalues.numel() else 0.0
+            tolerance = zero_tolerance(largest, factors.d_in, compute)
             kept = eigenvalues > tolerance
-            if not bool(kept.all()):
+            if factors.rank < factors.d_in or not bool(kept.all()):
                 _note_zero_ridge_limit(ridge, tolerance)
         denominator = torch.where(kept, eigenvalues + ridge, torch.ones_like(eigenvalues))
-        data_weight = torch.where(kept, 1.0 / denominator, torch.zeros_like(eigenvalues))
-        anchor_weight = torch.where(kept, ridge / denominator, torch.ones_like(eigenvalues))
-    for scale, weights in (
-        (factors.cross_scale, (data_weight,)),
-        (factors.anchor_scale, (anchor_weight,)),
-        (factors.basis_scale, (data_weight, anchor_weight)),
-    ):
-        for weight in weights if scale is not None else ():
-            weight.mul_(scale.to(compute))
-    # Mixed-precision operands are widened element by element: no converted copies.
-    coefficients = torch.mul(factors.anchor_basis, anchor_weight)
-    return coefficients.addcmul_(factors.cross_basis, data_weight)
+        weights = torch.where(kept, 1.0 / denominator, torch.zeros_like(eigenvalues))
+    if folded:
+        for column_scale in (factors.correction_scale, factors.basis_scale):
+            if column_scale is not None:
+                weights = weights * column_scale.to(compute)
+    return weights
+
+
+def _anchor_plus(factors: EigenFactors, start: torch.Tensor | None, scale: float, transposed: bool):
+    """``start + scale·U0`` (or ``scale·U0``) in the solve's dtype, oriented like the output."""
+    compute = factors.eigenvalues.dtype
+    anchor = factors.anchor
+    if factors.anchor_scale is not None:
+        anchor = torch.mul(anchor, factors.anchor_scale.to(compute) * scale)
+    else:
+        anchor = anchor.to(compute) * scale
+    anchor = anchor.T if transposed else anchor
+    return anchor if start is None else anchor.add_(start)  # a fresh tensor: start is never written
 
 
 def solve_from_factors(factors: EigenFactors, ridge: float) -> torch.Tensor:
-    """``U(λ')`` from cached eigen factors (exact, including λ' = 0 on singular ``G``)."""
-    coefficients = factor_coefficients(factors, ridge)
-    return coefficients @ factors.basis.T.to(coefficients.dtype)
+    """``U(λ')`` from eigen factors (exact, including λ' = 0 on singular ``G``)."""
+    weighted = torch.mul(factors.correction, correction_weights(factors, ridge))
+    basis = factors.basis.to(weighted.dtype)
+    return torch.addmm(_anchor_plus(factors, None, 1.0, False), weighted, basis.T)
 
 
 def weight_from_factors(
     factors: EigenFactors, base: torch.Tensor, ridge: float, scale: float, transposed: bool = False
 ) -> torch.Tensor:
-    """``W_pre + s·U(λ')`` in ``base``'s dtype and layout: one product with the sum fused into it.
+    """``W_pre + s·U(λ')`` in ``base``'s dtype and layout: one product with the sums fused into it.
 
     This is all a cached merge (a search trial) computes per tensor. ``transposed``: the
-    weight is stored (in, out), so ``W = W_pre + s·Q·coefficientsᵀ``. (Adding a bfloat16
+    weight is stored (in, out), so ``W = W_pre + s·U0ᵀ + s·Q·(E Q·a)ᵀ``. (Adding a bfloat16
     base to a float32 product in one mixed-dtype pass measured slower than widening the
     base and rounding the result.)
     """
-    coefficients = factor_coefficients(factors, ridge)
-    basis = factors.basis.to(coefficients.dtype)
-    left, right = (basis, coefficients.T) if transposed else (coefficients, basis.T)
-    merged = torch.addmm(base.to(coefficients.dtype), left, right, alpha=scale)
+    weighted = torch.mul(factors.correction, correction_weights(factors, ridge))
+    basis = factors.basis.to(weighted.dtype)
+    start = _anchor_plus(factors, base, scale, transposed)
+    left, right = (basis, weighted.T) if transposed else (weighted, basis.T)
+    merged = torch.addmm(start, left, right, alpha=scale)
     return merged.to(base.dtype)
 
 

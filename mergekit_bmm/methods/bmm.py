@@ -7,8 +7,9 @@ anchor's result unchanged. Inputs arrive one tensor at a time through mergekit's
 loader, so memory stays at one module's tensors (T experts + base + anchor).
 
 With ``cache: DIR`` the λ-independent eigen factors of each solved tensor are stored
-once (:mod:`mergekit_bmm.methods.factor_cache`, keyed by :mod:`~mergekit_bmm.methods.cache_key`)
-and every later merge with any λ and s is a single product per tensor.
+once (:mod:`mergekit_bmm.methods.factor_cache`, built by :mod:`~mergekit_bmm.methods.factor_fill`,
+keyed by :mod:`~mergekit_bmm.methods.cache_key`) and every later merge with any λ and s is a
+single product per tensor.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from mergekit_bmm.methods import observer as solved_tensors
 from mergekit_bmm.methods.anchor_merge import AnchorSource, resolve_anchor_method
 from mergekit_bmm.methods.bmm_parameters import BMMSettings, build_spec
 from mergekit_bmm.methods.factor_cache import FactorCache
+from mergekit_bmm.methods.factor_fill import fill_factors, thin_rank
 from mergekit_bmm.methods.observer import FactoredTensor, SolvedTensor
 
 LOG = logging.getLogger("mergekit_bmm")
@@ -176,9 +178,9 @@ class BMMMerge(GroupMergeMethod):
                 return (base_c + settings.scale * orient(merged)).to(base.dtype)
             # Factorised once in float64: the cached route is then at least as accurate as
             # the direct one (see closed_form.eigen_factors); trials solve in `dtype`.
-            factors = closed_form.eigen_factors(equations, prior, torch.float64)
+            rank = thin_rank(settings, len(tasks), *prior.shape)
+            factors = fill_factors(cache, name, key, equations, prior, orient(base_c), settings, rank)
             del equations, prior, task_vectors
-            factors = cache.store_factors(name, key, factors, settings.cache_dtype, dtype)
         # A cache hit does not re-check the inputs for NaN/Inf: they were checked when the
         # entry was built, and its key ties it to that content.
         factors = factors.to(base.device)
@@ -219,7 +221,7 @@ class BMMMerge(GroupMergeMethod):
         stored = cache.load_tensor(name, key, tuple(group.base.tensor.shape))
         if stored is not None:
             return stored.to(group.base.tensor.device)
-        result = compute()
+        result = compute().to(group.base.tensor.dtype)  # what the merge writes: stored as such
         cache.store_tensor(name, key, result)
         return result
 
@@ -258,7 +260,7 @@ def _report_from_factors(
     ridge = factors.ridge(settings.lam, settings.lambda_mode)
     merged = closed_form.solve_from_factors(factors, ridge)
     base_c = base.to(merged.dtype)
-    eigen = (factors.eigenvalues, factors.decoded_basis(merged.dtype))
+    eigen = factors.complete_eigen(merged.dtype)
     solved = (name, None, ridge, merged, base_c, settings.scale, transpose, base.dtype, merged.dtype)
     solved_tensors.report(SolvedTensor(*solved, eigen=eigen))
     oriented = merged.T if transpose else merged

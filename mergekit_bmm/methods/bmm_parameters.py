@@ -111,10 +111,11 @@ def own_parameters() -> tuple[ParameterSpec, ...]:
         ),
         CheckedParameter(
             "cache_dtype",
-            Literal["float32", "float16", "float64"] | None,
+            Literal["auto", "float32", "float16", "float64"] | None,
             shared,
             default=None,
-            description="precision of cached factors (float32, float16 or float64)",
+            description="precision of cached factors: auto (default: float16 or float32 per factor, "
+            "within 1e-5 of float32), float32, float16 or float64",
         ),
         CheckedParameter(
             "anchor",
@@ -167,6 +168,14 @@ def build_spec(
 _DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
 
+def _cache_dtype(asked: str | None, compute: str) -> torch.dtype | None:
+    """One dtype for every cached factor, or None (``auto``: chosen per factor at the fill).
+    A float64 merge keeps float64 factors unless told otherwise."""
+    if asked in (None, "auto"):
+        return torch.float64 if asked is None and compute == "float64" else None
+    return _DTYPES[asked]
+
+
 @dataclass(frozen=True)
 class BMMSettings:
     """The typed, per-tensor view of BMM's own parameters."""
@@ -182,7 +191,7 @@ class BMMSettings:
     weight_layout: str
     anchor_seed: int
     cache: str | None = None
-    cache_dtype: torch.dtype | None = None
+    cache_dtype: torch.dtype | None = None  # None: chosen per factor (methods/factor_precision.py)
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, Any]) -> BMMSettings:
@@ -199,7 +208,7 @@ class BMMSettings:
             weight_layout=parameters["weight_layout"],
             anchor_seed=parameters["anchor_seed"],
             cache=parameters.get("cache") or None,
-            cache_dtype=_DTYPES[parameters.get("cache_dtype") or parameters["compute_dtype"]],
+            cache_dtype=_cache_dtype(parameters.get("cache_dtype"), parameters["compute_dtype"]),
         )
         if settings.gram in ("activations", "mix") and not settings.stats:
             raise ConfigError(

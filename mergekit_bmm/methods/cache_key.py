@@ -165,6 +165,22 @@ def factor_key(settings: BMMSettings, source: AnchorSource, transpose: bool) -> 
         stats=stats_fingerprint(settings.stats) if settings.gram != "data_free" else None,
         epsilon=settings.epsilon if settings.gram == "mix" else None,
         transpose=transpose,
-        precision=str(settings.cache_dtype),
+        precision=str(settings.cache_dtype) if settings.cache_dtype is not None else "auto",
     )
+    return _dump(description)
+
+
+def gram_key(gram: torch.Tensor, rank: int | None) -> str:
+    """Key of one Gram's eigendecomposition: its exact content (so weights with the same ``G``
+    share it), the rank kept, and the versions that computed it (``eigh`` may change)."""
+    description = {
+        "format": CACHE_FORMAT,
+        "kind": "basis",
+        "versions": _versions(),
+        "torch": torch.__version__,
+        "gram": content_digest(gram),
+        "shape": list(gram.shape),
+        "dtype": str(gram.dtype),
+        "rank": rank,
+    }
     return _dump(description)

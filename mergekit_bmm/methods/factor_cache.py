@@ -1,27 +1,35 @@
-"""On-disk store of BMM's λ-independent factors: one safetensors file per tensor and key.
+"""On-disk store of BMM's λ-independent factors: one file per solved tensor, one per distinct Gram.
 
 A search re-merges the same inputs with new λ and s. Everything except the last product
-is the same in every trial, so the first merge of a tensor stores ``G = QΛQᵀ``, ``C Q``
-and ``U0 Q`` (:class:`~mergekit_bmm.core.closed_form.EigenFactors`) and every later merge
-reads them back and does one ``(out × in × in)`` product.
+is the same in every trial, so the first merge of a tensor stores the eigendecomposition
+``G = QΛQᵀ``, the correction ``E Q = (C − U0 G) Q`` and the anchor ``U0``
+(:class:`~mergekit_bmm.core.closed_form.EigenFactors`); every later merge reads them back
+and does one ``(out × in × r)`` product.
 
-File layout: ``<cache>/<tensor name>.<digest>.safetensors`` where ``digest`` hashes a
-*key*, a canonical JSON text describing everything the factors depend on (built by
-:mod:`mergekit_bmm.methods.cache_key`). The full key is also stored in the file's
-metadata and must match on reading, with a CRC-32 of every stored tensor: a stale,
-truncated or corrupt file is ignored (with a log line) and rewritten, never used. (A process
-checks an entry's CRCs the first time it reads it, and again only if the file changed.)
+File layout:
+
+* ``<cache>/<tensor name>.<digest>.safetensors``: the tensor's correction and anchor, where
+  ``digest`` hashes a *key*, a canonical JSON text describing everything the factors depend
+  on (built by :mod:`mergekit_bmm.methods.cache_key`);
+* ``<cache>/bases/<digest>.<precision>.safetensors``: ``Q`` and ``Λ`` of one Gram, keyed by
+  the Gram's content. Weights that read the same input with the same statistics
+  (q/k/v, gate/up in the ``activations`` mode) have the same ``G`` and share one basis and
+  one eigendecomposition; a data-free or ``mix`` Gram contains the weight's own task
+  vectors and is its own.
+
+Every file stores its full key in its metadata, which must match on reading, with a CRC-32 of
+every stored tensor: a stale, truncated or corrupt file is ignored (with a log line) and
+rewritten, never used. (A process checks a file's CRCs the first time it reads it, and again
+only if the file changed.)
 
 Writes go to a unique temporary file in the same directory and are renamed into place
 (atomic on POSIX), so concurrent processes filling one cache at most do the same work
 twice and a reader never sees half a file. Nothing is ever deleted: ``rm -r`` the
 directory to reclaim space.
 
-Precision: factors are stored in the compute dtype unless ``float16`` is asked for; then
-each column of ``Q``, ``C Q`` and ``U0 Q`` is divided by its largest magnitude (kept in
-float32) before rounding, so neither float16's range nor its subnormals bite. The
-eigenvalues always stay in the compute dtype. Whoever stores factors solves from the
-rounded copy that was stored, so a first (filling) merge and a later (reading) merge
+Precision per factor (:mod:`~mergekit_bmm.methods.factor_precision`): float16 with a float32
+scale per column, or float32 (or float64 when asked). Whoever stores factors solves from
+the rounded copies that were stored, so a first (filling) merge and a later (reading) merge
 give bit-identical results.
 """
 
@@ -32,6 +40,7 @@ import json
 import logging
 import re
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,15 +49,17 @@ from safetensors.torch import save_file
 
 from mergekit_bmm.core.closed_form import EigenFactors
 from mergekit_bmm.io.atomic import replacing
+from mergekit_bmm.methods.factor_precision import decode, encode
 
 LOG = logging.getLogger("mergekit_bmm")
 
-CACHE_FORMAT = "mergekit-bmm-factors/1"
-MATRICES = ("basis", "cross_basis", "anchor_basis")
+CACHE_FORMAT = "mergekit-bmm-factors/2"
+BASIS_DIR = "bases"
 SCALARS = ("mean_eigenvalue", "diagonal_max")
 SCALE_SUFFIX = ".scale"
 ANCHOR = "anchor"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
+_DTYPES = {str(dtype): dtype for dtype in (torch.float16, torch.float32, torch.float64)}
 
 
 # Entries whose checksums this process has verified, with the file's identity then. Cache
@@ -61,11 +72,20 @@ class CorruptEntry(Exception):
     """A cache file that cannot be trusted; the message says why."""
 
 
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
 def entry_path(directory: str | Path, tensor_name: str, key: str) -> Path:
     """Where the entry for ``tensor_name`` under ``key`` lives."""
-    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
     readable = _SAFE_NAME.sub("_", tensor_name)[:160] or "tensor"
-    return Path(directory) / f"{readable}.{digest}.safetensors"
+    return Path(directory) / f"{readable}.{_digest(key)}.safetensors"
+
+
+def basis_path(directory: str | Path, gram_key: str, precision: torch.dtype) -> Path:
+    """Where the basis of the Gram keyed ``gram_key`` lives, stored in ``precision``."""
+    precision_name = str(precision).removeprefix("torch.")
+    return Path(directory) / BASIS_DIR / f"{_digest(gram_key)}.{precision_name}.safetensors"
 
 
 def checksum(tensor: torch.Tensor) -> int:
@@ -74,31 +94,53 @@ def checksum(tensor: torch.Tensor) -> int:
     return zlib.crc32(data.numpy())
 
 
-def _encode(name: str, matrix: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    if dtype != torch.float16:
-        return {name: matrix.to(dtype)}
-    scale = matrix.abs().amax(dim=0)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(torch.float32)
-    return {name: (matrix / scale.to(matrix.dtype)).to(torch.float16), name + SCALE_SUFFIX: scale}
+def _stored(name: str, matrix: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    stored, scale = encode(matrix, dtype)
+    return {name: stored} if scale is None else {name: stored, name + SCALE_SUFFIX: scale}
 
 
-def _factor_tensors(
-    factors: EigenFactors, dtype: torch.dtype, compute: torch.dtype
-) -> dict[str, torch.Tensor]:
-    tensors = {"eigenvalues": factors.eigenvalues.to(compute)}
-    for name in MATRICES:
-        tensors.update(_encode(name, getattr(factors, name), dtype))
-    return tensors
+def _in_compute(tensors: dict[str, torch.Tensor], name: str, compute: torch.dtype):
+    """A stored matrix as the solve uses it: float16 stays (its scales are folded in later)."""
+    matrix = tensors[name]
+    scale = tensors.get(name + SCALE_SUFFIX)
+    return (matrix if matrix.dtype == torch.float16 else matrix.to(compute)), scale
 
 
-def _factors_from(
-    tensors: dict[str, torch.Tensor], scalars: dict[str, float], compute: torch.dtype
+@dataclass(frozen=True)
+class StoredBasis:
+    """One Gram's ``Λ`` and ``Q`` as stored, and how far rounding moved ``Q`` (``‖ΔQ‖₂``)."""
+
+    path: Path
+    eigenvalues: torch.Tensor
+    basis: torch.Tensor
+    scale: torch.Tensor | None
+    rounding: float
+
+    @property
+    def precision(self) -> torch.dtype:
+        return self.basis.dtype
+
+    def decoded(self, dtype: torch.dtype) -> torch.Tensor:
+        return decode(self.basis, self.scale, dtype)
+
+
+def _factors(
+    basis: StoredBasis, tensors: dict[str, torch.Tensor], scalars: dict[str, float], compute: torch.dtype
 ) -> EigenFactors:
-    matrices = {name: tensors[name] for name in MATRICES}
-    if next(iter(matrices.values())).dtype != torch.float16:
-        matrices = {name: matrix.to(compute) for name, matrix in matrices.items()}
-    scales = {name.removesuffix("_basis") + "_scale": tensors.get(name + SCALE_SUFFIX) for name in MATRICES}
-    return EigenFactors(eigenvalues=tensors["eigenvalues"].to(compute), **matrices, **scales, **scalars)
+    correction, correction_scale = _in_compute(tensors, "correction", compute)
+    anchor, anchor_scale = _in_compute(tensors, ANCHOR, compute)
+    stored_basis = basis.basis if basis.basis.dtype == torch.float16 else basis.basis.to(compute)
+    return EigenFactors(
+        basis=stored_basis,
+        eigenvalues=basis.eigenvalues.to(compute),
+        correction=correction,
+        anchor=anchor,
+        mean_eigenvalue=scalars["mean_eigenvalue"],
+        diagonal_max=scalars["diagonal_max"],
+        basis_scale=basis.scale,
+        correction_scale=correction_scale,
+        anchor_scale=anchor_scale,
+    )
 
 
 class FactorCache:
@@ -107,40 +149,96 @@ class FactorCache:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
 
+    # -- bases: one per distinct Gram -------------------------------------------------
+    def load_basis(
+        self, gram_key: str, d_in: int, compute: torch.dtype, precisions: tuple[torch.dtype, ...]
+    ) -> StoredBasis | None:
+        """The first stored basis of this Gram among ``precisions`` (None when there is none)."""
+        for precision in precisions:
+            path = basis_path(self.directory, gram_key, precision)
+            read = self._read(path, gram_key + str(precision), {})
+            if read is None:
+                continue
+            tensors, metadata = read
+            basis, eigenvalues = tensors.get("basis"), tensors.get("eigenvalues")
+            if basis is None or eigenvalues is None or basis.ndim != 2 or basis.shape[0] != d_in:
+                self._reject(path, "the basis has the wrong shape")
+                continue
+            if eigenvalues.shape != (basis.shape[1],) or basis.dtype != precision:
+                self._reject(path, "the eigenvalues do not match the basis")
+                continue
+            try:
+                rounding = float(metadata["rounding"])
+            except (KeyError, ValueError):
+                self._reject(path, "its rounding figure is missing")
+                continue
+            scale = tensors.get("basis" + SCALE_SUFFIX)
+            return StoredBasis(path, eigenvalues.to(compute), basis, scale, rounding)
+        return None
+
+    def store_basis(
+        self,
+        gram_key: str,
+        eigenvalues: torch.Tensor,
+        basis: torch.Tensor,
+        precision: torch.dtype,
+        rounding: float,
+        compute: torch.dtype,
+    ) -> StoredBasis:
+        """Write ``Q`` rounded to ``precision`` and ``Λ``; return what a later read gives."""
+        path = basis_path(self.directory, gram_key, precision)
+        tensors = {"eigenvalues": eigenvalues.to(compute), **_stored("basis", basis, precision)}
+        self._write(path, gram_key + str(precision), tensors, {"rounding": repr(rounding)})
+        scale = tensors.get("basis" + SCALE_SUFFIX)
+        return StoredBasis(path, tensors["eigenvalues"], tensors["basis"], scale, rounding)
+
     # -- factors of solved tensors ---------------------------------------------------
     def load_factors(
         self, tensor_name: str, key: str, shape: tuple[int, int], compute: torch.dtype
     ) -> EigenFactors | None:
         """The stored factors for ``key`` (None when absent, stale or corrupt)."""
         out_features, in_features = shape
-        expected = {
-            "basis": (in_features, in_features),
-            "eigenvalues": (in_features,),
-            "cross_basis": (out_features, in_features),
-            "anchor_basis": (out_features, in_features),
-        }
-        read = self._read(entry_path(self.directory, tensor_name, key), key, expected)
+        path = entry_path(self.directory, tensor_name, key)
+        read = self._read(path, key, {ANCHOR: (out_features, in_features)})
         if read is None:
             return None
         tensors, metadata = read
         try:
             scalars = {name: float(metadata[name]) for name in SCALARS}
+            gram_key, precision = metadata["gram_key"], _DTYPES[metadata["basis_precision"]]
         except (KeyError, ValueError):
-            return self._reject(entry_path(self.directory, tensor_name, key), "scalars are missing")
-        return _factors_from(tensors, scalars, compute)
+            return self._reject(path, "its metadata is incomplete")
+        basis = self.load_basis(gram_key, in_features, compute, (precision,))
+        correction = tensors.get("correction")
+        if basis is None:
+            return self._reject(path, "its basis file is missing or unreadable")
+        if correction is None or tuple(correction.shape) != (out_features, basis.basis.shape[1]):
+            return self._reject(path, "its correction does not match its basis")
+        return _factors(basis, tensors, scalars, compute)
 
     def store_factors(
-        self, tensor_name: str, key: str, factors: EigenFactors, dtype: torch.dtype, compute: torch.dtype
+        self,
+        tensor_name: str,
+        key: str,
+        basis: StoredBasis,
+        gram_key: str,
+        correction: torch.Tensor,
+        anchor: torch.Tensor,
+        precisions: dict[str, torch.dtype],
+        scalars: dict[str, float],
+        compute: torch.dtype,
     ) -> EigenFactors:
-        """Write ``factors`` rounded to ``dtype``; return exactly what a later read gives
-        (in the ``compute`` dtype)."""
-        tensors = _factor_tensors(factors, dtype, compute)
-        scalars = {name: float(getattr(factors, name)) for name in SCALARS}
-        stored = _factors_from(tensors, scalars, compute)
-        metadata = {name: repr(value) for name, value in scalars.items()}
-        metadata["precision"] = str(dtype)
+        """Write the correction and anchor rounded to their ``precisions``; return exactly what
+        a later read gives (in the ``compute`` dtype)."""
+        tensors = {
+            **_stored("correction", correction, precisions["correction"]),
+            **_stored(ANCHOR, anchor, precisions["anchor"]),
+        }
+        metadata = {name: repr(float(scalars[name])) for name in SCALARS}
+        metadata.update(gram_key=gram_key, basis_precision=str(basis.precision))
+        metadata["precision"] = json.dumps({name: str(dtype) for name, dtype in precisions.items()})
         self._write(entry_path(self.directory, tensor_name, key), key, tensors, metadata)
-        return stored
+        return _factors(basis, tensors, scalars, compute)
 
     # -- anchor results of tensors BMM does not solve --------------------------------
     def load_tensor(self, tensor_name: str, key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -202,6 +300,7 @@ class FactorCache:
             **extra,
         }
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             with replacing(path, fsync=False) as temporary:
                 save_file(tensors, str(temporary), metadata=metadata)
         except (OSError, SafetensorError) as error:
