@@ -51,6 +51,21 @@ def test_posterior_from_the_merge_eigen_factors():
     assert relative_error(posterior.covariance(), reference_covariance(vectors, ridge, 3.0)) < 1e-12
 
 
+def test_a_thin_basis_is_completed_for_the_posterior():
+    """A cache keeps only the ``T·out`` directions a data-free G can have; the posterior needs
+    all of ``d_in``: the complement is added with eigenvalue 0 (precision λ' there)."""
+    generator = torch.Generator().manual_seed(5)
+    vectors = [torch.randn(2, 7, generator=generator, dtype=torch.float64) for _ in range(3)]  # rank 6 of 7
+    equations = closed_form.data_free_equations(vectors, torch.float64)
+    thin = closed_form.eigen_factors(equations, torch.zeros(2, 7, dtype=torch.float64), rank=6)
+    eigenvalues, basis = thin.complete_eigen(torch.float64)
+    assert (
+        basis.shape == (7, 7) and relative_error(basis.T @ basis, torch.eye(7, dtype=torch.float64)) < 1e-12
+    )
+    posterior = RowPosterior.from_eigen(eigenvalues, basis, 0.3, 2.0, torch.float64)
+    assert relative_error(posterior.covariance(), reference_covariance(vectors, 0.3, 2.0)) < 1e-10
+
+
 def test_empirical_mean_and_row_covariance_match():
     """Many draws of a 6×5 tensor: mean → U_MAP, pooled row covariance → Σ_row.
 
