@@ -29,7 +29,12 @@ def inputs(shape=(48, 32), tasks=3, seed=0, dtype=torch.float32) -> list[torch.T
 
 
 def bmm(tensors, name=NAME, ids=None, **parameters) -> torch.Tensor:
+    """bmm through mergekit's API; a cache holds float32 factors unless ``cache_dtype`` says
+    otherwise (the default, ``auto``, has its own test), so results can be held to 1e-5 of
+    the direct route on ``W − W_pre``."""
     parameters = {"weight": [0.3] * (len(tensors) - 1), **parameters}
+    if "cache" in parameters and parameters.get("compute_dtype") != "float64":
+        parameters.setdefault("cache_dtype", "float32")
     return merge_tensors(tensors, "bmm", base_index=0, name=name, ids=ids, parameters=parameters)
 
 
@@ -164,23 +169,24 @@ def test_float16_factors_halve_the_cache_at_a_small_measured_error(tmp_path):
     assert cache_bytes(tmp_path / "f16") / weights == pytest.approx(2 * (64 / 96 + 2), rel=0.15)
 
 
-@pytest.mark.parametrize("spread, expected", [(1e-3, torch.float16), (0.3, torch.float32)])
+@pytest.mark.parametrize("spread, expected", [(1e-3, torch.int16), (0.3, torch.float32)])
 def test_auto_precision_stays_within_1e_5_of_float32_factors(tmp_path, spread, expected):
-    """``auto`` (the default) stores float16 where that keeps every merged weight within 1e-5
+    """``auto`` (the default) stores int16 where that keeps every merged weight within 1e-5
     (relative) of float32 factors for λ ≥ 1e-3 and s ≤ 2.2, float32 where it would not."""
     generator = torch.Generator().manual_seed(12)
     base = torch.randn(96, 64, generator=generator)
     tensors = [base, *(base + spread * torch.randn(96, 64, generator=generator) for _ in range(3))]
-    bmm(tensors, cache=str(tmp_path / "auto"), **{"lambda": 0.1})
-    assert set(stored_dtypes(tmp_path / "auto").values()) == {expected}
+    bmm(tensors, cache=str(tmp_path / "auto"), cache_dtype="auto", **{"lambda": 0.1})
+    stored = stored_dtypes(tmp_path / "auto")
+    assert stored["basis"] == stored["correction"] == expected  # the anchor may be int16 either way
     for lam in (1e-3, 0.1, 10.0):
         for scale in (1.0, 2.2):
             parameters = {"lambda": lam, "scale": scale}
-            auto = bmm(tensors, cache=str(tmp_path / "auto"), **parameters).double()
+            auto = bmm(tensors, cache=str(tmp_path / "auto"), cache_dtype="auto", **parameters).double()
             single = bmm(tensors, cache=str(tmp_path / "f32"), cache_dtype="float32", **parameters).double()
             assert relative_error(auto, single) <= 1e-5, parameters
     ratio = cache_bytes(tmp_path / "auto") / cache_bytes(tmp_path / "f32")
-    assert ratio == pytest.approx(0.5 if expected == torch.float16 else 1.0, rel=0.1)
+    assert ratio == pytest.approx(0.5, rel=0.1) if expected == torch.int16 else 0.5 < ratio <= 1.0
 
 
 def test_a_thin_basis_when_the_gram_has_fewer_rows_than_columns(tmp_path):

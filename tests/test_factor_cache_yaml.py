@@ -12,9 +12,19 @@ import torch
 from conftest import load_weights, relative_error
 from references import expected_bmm_merge
 from safetensors.torch import save_file
-from test_yaml_merge import recipe, run, write
+from test_yaml_merge import recipe as plain_recipe
+from test_yaml_merge import run, write
 
 from mergekit_bmm.core.module_map import classify
+
+
+def recipe(family, **parameters) -> dict:
+    """float32 factors when cached, so merges can be held to 1e-5 of uncached ones on
+    ``W − W_pre`` (the default precision, ``auto``, is tested in test_factor_cache.py)."""
+    if "cache" in parameters:
+        parameters.setdefault("cache_dtype", "float32")
+    return plain_recipe(family, **parameters)
+
 
 pytestmark = pytest.mark.slow
 

@@ -229,9 +229,10 @@ class EigenFactors:
     ``max diag G``), eigenvalues below the zero tolerance get ``a = 0`` (the anchor), exactly
     as that fallback does; above it no eigenvalue is clipped, as in the Cholesky solve.
 
-    Factors may be stored at a lower precision than the solve (float16 in a cache), as
-    matrices whose columns are multiplied by ``*_scale`` vectors; the scales are folded into
-    ``a`` (or applied while adding the anchor), so no rescaled copy of a matrix is made. The
+    Factors may be stored at a lower precision than the solve (16 bits in a cache: int16
+    fixed point or float16), as matrices whose columns are multiplied by ``*_scale``
+    vectors; the scales are folded into ``a`` (or applied while adding the anchor), so no
+    rescaled copy of a matrix is made. The
     eigenvalues' dtype is the dtype of the solve.
     """
 

@@ -111,11 +111,11 @@ def own_parameters() -> tuple[ParameterSpec, ...]:
         ),
         CheckedParameter(
             "cache_dtype",
-            Literal["auto", "float32", "float16", "float64"] | None,
+            Literal["auto", "float32", "int16", "float16", "float64"] | None,
             shared,
             default=None,
-            description="precision of cached factors: auto (default: float16 or float32 per factor, "
-            "within 1e-5 of float32), float32, float16 or float64",
+            description="precision of cached factors: auto (default: int16 fixed point or float32 per "
+            "factor, within 1e-5 of float32), float32, int16, float16 or float64",
         ),
         CheckedParameter(
             "anchor",
@@ -165,7 +165,7 @@ def build_spec(
     )
 
 
-_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+_DTYPES = {"int16": torch.int16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
 
 def _cache_dtype(asked: str | None, compute: str) -> torch.dtype | None:

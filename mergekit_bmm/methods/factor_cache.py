@@ -27,8 +27,8 @@ Writes go to a unique temporary file in the same directory and are renamed into 
 twice and a reader never sees half a file. Nothing is ever deleted: ``rm -r`` the
 directory to reclaim space.
 
-Precision per factor (:mod:`~mergekit_bmm.methods.factor_precision`): float16 with a float32
-scale per column, or float32 (or float64 when asked). Whoever stores factors solves from
+Precision per factor (:mod:`~mergekit_bmm.methods.factor_precision`): int16 fixed point with a
+float32 scale per column, or float32 (float16 or float64 when asked). Whoever stores factors solves from
 the rounded copies that were stored, so a first (filling) merge and a later (reading) merge
 give bit-identical results.
 """
@@ -59,7 +59,8 @@ SCALARS = ("mean_eigenvalue", "diagonal_max")
 SCALE_SUFFIX = ".scale"
 ANCHOR = "anchor"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
-_DTYPES = {str(dtype): dtype for dtype in (torch.float16, torch.float32, torch.float64)}
+_DTYPES = {str(dtype): dtype for dtype in (torch.int16, torch.float16, torch.float32, torch.float64)}
+_SIXTEEN_BITS = (torch.int16, torch.float16)  # kept as stored; their column scales fold into the solve
 
 
 # Entries whose checksums this process has verified, with the file's identity then. Cache
@@ -103,12 +104,12 @@ def _in_compute(tensors: dict[str, torch.Tensor], name: str, compute: torch.dtyp
     """A stored matrix as the solve uses it: float16 stays (its scales are folded in later)."""
     matrix = tensors[name]
     scale = tensors.get(name + SCALE_SUFFIX)
-    return (matrix if matrix.dtype == torch.float16 else matrix.to(compute)), scale
+    return (matrix if matrix.dtype in _SIXTEEN_BITS else matrix.to(compute)), scale
 
 
 @dataclass(frozen=True)
 class StoredBasis:
-    """One Gram's ``Λ`` and ``Q`` as stored, and how far rounding moved ``Q`` (``‖ΔQ‖₂``)."""
+    """One Gram's ``Λ`` and ``Q`` as stored, and how far rounding moved ``Q`` (``‖ΔQ‖/√in``)."""
 
     path: Path
     eigenvalues: torch.Tensor
@@ -129,7 +130,7 @@ def _factors(
 ) -> EigenFactors:
     correction, correction_scale = _in_compute(tensors, "correction", compute)
     anchor, anchor_scale = _in_compute(tensors, ANCHOR, compute)
-    stored_basis = basis.basis if basis.basis.dtype == torch.float16 else basis.basis.to(compute)
+    stored_basis = basis.basis if basis.basis.dtype in _SIXTEEN_BITS else basis.basis.to(compute)
     return EigenFactors(
         basis=stored_basis,
         eigenvalues=basis.eigenvalues.to(compute),

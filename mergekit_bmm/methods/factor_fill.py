@@ -18,7 +18,7 @@ from mergekit_bmm.methods.bmm_parameters import BMMSettings
 from mergekit_bmm.methods.factor_cache import FactorCache
 
 EXACT = torch.float64
-AUTO_PRECISIONS = (torch.float16, torch.float32)
+AUTO_BASES = (factor_precision.FIXED_POINT, torch.float32)
 
 
 def thin_rank(settings: BMMSettings, tasks: int, out_features: int, in_features: int) -> int | None:
@@ -61,39 +61,35 @@ def fill_factors(
     """Store ``name``'s factors under ``key`` and return them as a later read would.
 
     The correction is always formed in the basis as stored (rounded), whether that basis was
-    just computed or read: a refill gives the same bits as the first fill, and the basis'
-    rounding is counted twice in its error share.
+    just computed or read: a refill gives the same bits as the first fill.
     """
     compute, fixed = settings.compute_dtype, settings.cache_dtype
     gram = cache_key.gram_key(equations.gram, rank)
     anchor = prior.to(EXACT)
     residual = equations.cross.to(EXACT) - anchor @ equations.gram.to(EXACT)
-    candidates = (fixed,) if fixed is not None else AUTO_PRECISIONS
+    candidates = (fixed,) if fixed is not None else AUTO_BASES
 
-    def factors_in(eigenvalues: torch.Tensor, basis: torch.Tensor, rounding: float):
+    def factors_in(eigenvalues: torch.Tensor, basis: torch.Tensor, precision: torch.dtype, rounding: float):
         exact = _exact(equations, eigenvalues.to(compute), basis, residual, anchor)
+        if fixed is not None:
+            return exact, dict.fromkeys(("anchor", "correction", "basis"), fixed)
         budget = _budget(settings, exact, base)
-        fits = fixed is not None or factor_precision.basis_fits(exact.correction, budget, rounding, 2)
-        return exact, budget, fits
+        return exact, factor_precision.choose(exact.correction, anchor, budget, precision, rounding)
 
     for precision in candidates:  # a stored basis of the same G, the cheapest that fits
         stored = cache.load_basis(gram, equations.d_in, compute, (precision,))
         if stored is not None:
-            exact, budget, fits = factors_in(stored.eigenvalues, stored.decoded(EXACT), stored.rounding)
-            if fits:
+            exact, chosen = factors_in(stored.eigenvalues, stored.decoded(EXACT), precision, stored.rounding)
+            if chosen["basis"] == precision:
                 break
     else:
         eigenvalues, vectors = closed_form.diagonalise(equations.gram, EXACT, rank)
         for precision in candidates:
             rounded = factor_precision.decode(*factor_precision.encode(vectors, precision), EXACT)
-            rounding = factor_precision.spectral_norm(rounded - vectors)
-            exact, budget, fits = factors_in(eigenvalues, rounded, rounding)
-            if fits or precision == candidates[-1]:
+            rounding = factor_precision.basis_rounding(vectors, precision)
+            exact, chosen = factors_in(eigenvalues, rounded, precision, rounding)
+            if chosen["basis"] == precision:
                 break
         stored = cache.store_basis(gram, eigenvalues, vectors, precision, rounding, compute)
-    chosen = {
-        "correction": fixed or factor_precision.correction_precision(exact.correction, budget),
-        "anchor": fixed or factor_precision.anchor_precision(anchor, budget),
-    }
     scalars = {"mean_eigenvalue": exact.mean_eigenvalue, "diagonal_max": exact.diagonal_max}
     return cache.store_factors(name, key, stored, gram, exact.correction, anchor, chosen, scalars, compute)

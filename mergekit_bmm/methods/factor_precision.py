@@ -1,23 +1,27 @@
 """The stored precision of each cached factor, chosen against the float64 factors at the fill.
 
-A factor stored in float16 (each column divided by its largest magnitude, the scales kept in
-float32) takes half the disk of float32 and adds a rounding error that reaches the merged
-weight ``W = W_pre + s·(U0 + (E Q·a) Qᵀ)`` as
+A factor may be stored in 16 bits as *fixed point*: each column divided by its largest
+magnitude over 32767 and rounded to int16, the scales kept in float32. Its entries are dense
+and of one scale (eigenvectors, corrections, task vectors), so fixed point rounds them about
+7× more finely than float16 at the same two bytes. Rounding reaches the merged weight
+``W = W_pre + s·(U0 + (E Q·a) Qᵀ)`` as
 
 * anchor ``U0``: ``s·‖ΔU0‖`` (exactly, for any λ);
 * correction ``E Q``: ``s·‖ΔEQ·a‖`` (exactly: ``Q`` is orthonormal), largest at the smallest λ;
-* basis ``Q``: at most ``s·‖EQ·a‖·‖ΔQ‖₂`` (``‖ΔQ‖₂`` by power iteration), twice that when
-  another tensor's correction was formed in a basis rounded before it.
+* basis ``Q``: about ``2·s·‖EQ·a‖·‖ΔQ‖/√in`` (rounding errors are independent of ``EQ·a``;
+  counted twice, since corrections are formed in the rounded basis).
 
-With ``cache_dtype: auto`` (the default) a factor is stored in float16 when its share, at the
-smallest λ and largest s of the default search boxes (``λ = LAMBDA_FLOOR`` relative, or the
-merge's own λ if smaller; ``s = max(SCALE_CEILING, |s|)``), stays within a third of
-``TOLERANCE·‖W_pre‖``, and in float32 otherwise. So no trial inside those boxes moves a merged
-weight by more than about ``TOLERANCE`` relative to float32 factors.
+With ``cache_dtype: auto`` (the default) every factor starts in int16 and, while the three
+shares added in quadrature exceed ``TOLERANCE·‖W_pre‖`` at the corner of the default search
+boxes where they are largest (``λ = LAMBDA_FLOOR`` relative, or the merge's own λ if smaller;
+``s = max(SCALE_CEILING, |s|)``), the factor with the largest share moves to float32. So no
+trial inside those boxes moves a merged weight by more than about ``TOLERANCE`` relative to
+float32 factors (the tests and ``bench/cache_fit.py`` check the actual error).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,16 +29,22 @@ import torch
 TOLERANCE = 1e-5
 LAMBDA_FLOOR = 1e-3
 SCALE_CEILING = 2.2
-FACTORS = ("basis", "correction", "anchor")
+FIXED_POINT = torch.int16
+_STEPS = 32767.0
 
 
 def encode(matrix: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``matrix`` as stored in ``dtype``: float16 with per-column scales (float32), else as is."""
-    if dtype != torch.float16:
+    """``matrix`` as stored in ``dtype``: float16 or int16 with per-column scales (float32)."""
+    if dtype not in (torch.float16, FIXED_POINT):
         return matrix.to(dtype), None
-    scale = matrix.abs().amax(dim=0)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(torch.float32)
-    return (matrix / scale.to(matrix.dtype)).to(torch.float16), scale
+    largest = matrix.abs().amax(dim=0)
+    largest = torch.where(largest > 0, largest, torch.ones_like(largest))
+    if dtype == torch.float16:
+        scale = largest.to(torch.float32)
+        return (matrix / scale.to(matrix.dtype)).to(torch.float16), scale
+    scale = (largest / _STEPS).to(torch.float32)
+    steps = torch.round(matrix / scale.to(matrix.dtype)).clamp_(-_STEPS, _STEPS)
+    return steps.to(FIXED_POINT), scale
 
 
 def decode(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -48,25 +58,14 @@ def rounding_error(matrix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return decode(*encode(matrix, dtype), matrix.dtype) - matrix
 
 
-def spectral_norm(matrix: torch.Tensor, iterations: int = 16) -> float:
-    """``‖matrix‖₂`` by power iteration (a lower estimate that converges from below)."""
-    if matrix.numel() == 0:
-        return 0.0
-    generator = torch.Generator(device=matrix.device).manual_seed(0)
-    vector = torch.randn(matrix.shape[1], generator=generator, dtype=matrix.dtype, device=matrix.device)
-    norm = 0.0
-    for _ in range(iterations):
-        image = matrix.T @ (matrix @ vector)
-        norm = float(image.norm())
-        if norm == 0.0:
-            return 0.0
-        vector = image / norm
-    return float((matrix @ vector).norm())
+def basis_rounding(basis: torch.Tensor, dtype: torch.dtype) -> float:
+    """``‖ΔQ‖/√in``: how far rounding moves a unit vector through the basis, on average."""
+    return float(rounding_error(basis, dtype).norm()) / math.sqrt(max(basis.shape[0], 1))
 
 
 @dataclass(frozen=True)
 class Budget:
-    """How much error one factor may add to ``W``, and at which λ (as weights ``a``) to check it."""
+    """How much error the factors together may add to ``W``, and the ``a`` of the worst λ."""
 
     allowance: float
     weights: torch.Tensor  # a = 1/(Λ + λ'_floor), float64
@@ -74,22 +73,31 @@ class Budget:
     @classmethod
     def of(cls, base_norm: float, scale: float, weights: torch.Tensor) -> Budget:
         worst_scale = max(SCALE_CEILING, abs(scale))
-        return cls(TOLERANCE * base_norm / (3.0 * worst_scale), weights.to(torch.float64))
-
-    def fits(self, error: float) -> bool:
-        return error <= self.allowance
+        return cls(TOLERANCE * base_norm / worst_scale, weights.to(torch.float64))
 
 
-def anchor_precision(anchor: torch.Tensor, budget: Budget) -> torch.dtype:
-    error = float(rounding_error(anchor, torch.float16).norm())
-    return torch.float16 if budget.fits(error) else torch.float32
+def choose(
+    correction: torch.Tensor,
+    anchor: torch.Tensor,
+    budget: Budget,
+    basis_precision: torch.dtype,
+    rounding: float,
+) -> dict[str, torch.dtype]:
+    """Per factor, int16 or float32: the fewest float32 factors that keep the budget.
 
-
-def correction_precision(correction: torch.Tensor, budget: Budget) -> torch.dtype:
-    error = float((rounding_error(correction, torch.float16) * budget.weights).norm())
-    return torch.float16 if budget.fits(error) else torch.float32
-
-
-def basis_fits(correction: torch.Tensor, budget: Budget, basis_rounding: float, sides: int = 1) -> bool:
-    """Whether a basis with rounding ``‖ΔQ‖₂ = basis_rounding`` keeps this tensor in budget."""
-    return budget.fits(sides * float((correction * budget.weights).norm()) * basis_rounding)
+    ``correction`` was formed in a basis stored as ``basis_precision`` with ``rounding``
+    (``basis_rounding``); the result's ``basis`` says whether that basis may stay.
+    """
+    weighted = correction * budget.weights
+    shares = {
+        "anchor": float(rounding_error(anchor, FIXED_POINT).norm()),
+        "correction": float(rounding_error(correction, FIXED_POINT).mul_(budget.weights).norm()),
+        "basis": 2.0 * float(weighted.norm()) * rounding,
+    }
+    chosen = {"anchor": FIXED_POINT, "correction": FIXED_POINT, "basis": basis_precision}
+    if basis_precision != FIXED_POINT:
+        shares["basis"] = 0.0
+    while math.hypot(*(shares[name] for name in chosen if chosen[name] == FIXED_POINT)) > budget.allowance:
+        largest = max((name for name in chosen if chosen[name] == FIXED_POINT), key=shares.get)
+        chosen[largest] = torch.float32
+    return chosen
