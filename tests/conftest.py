@@ -72,3 +72,12 @@ def reference_solve(
     ridge = lam * gram.trace().item() / d_in if relative else lam
     system = gram + ridge * torch.eye(d_in, dtype=torch.float64)
     return torch.linalg.solve(system, (cross + ridge * anchor.double()).T).T
+
+
+@pytest.fixture(autouse=True)
+def fresh_eigendecompositions():
+    """Each test starts without the eigendecompositions an earlier one left in this process."""
+    from mergekit_bmm.methods import factor_fill
+
+    factor_fill._RECENT.clear()
+    yield

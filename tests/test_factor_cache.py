@@ -225,7 +225,7 @@ def test_the_key_covers_inputs_anchor_and_solve_settings(tmp_path, factorisation
     ]
     # Only a new G needs a new eigendecomposition: data-free G = Σ U_tᵀU_t does not depend on
     # the anchor or the tensor's name, so those entries reuse the stored basis.
-    new_gram = {0, 7, 8, 9}
+    new_gram = {0, 7, 9}  # a float16 copy (8) rounds the eigendecomposition this process holds
     for index, (call, parameters) in enumerate(variants):
         before = len(factorisations)
         merged = bmm(call.get("tensors", tensors), name=call.get("name", NAME), cache=cache, **parameters)
@@ -234,11 +234,11 @@ def test_the_key_covers_inputs_anchor_and_solve_settings(tmp_path, factorisation
         direct = bmm(call.get("tensors", tensors), name=call.get("name", NAME), **parameters)
         tolerance = 1e-3 if parameters.get("cache_dtype") == "float16" else 1e-5
         assert delta_error(merged, direct, tensors[0]) <= tolerance, parameters
-    assert len(list((tmp_path / "bases").glob("*.safetensors"))) == len(factorisations) == 5
+    assert len(factorisations) == 4 and len(list((tmp_path / "bases").glob("*.safetensors"))) == 5
     # λ, s and lambda_mode are applied to the factors: no new entry, no factorisation.
     bmm(tensors, cache=cache, lambda_mode="absolute", **{"lambda": 2.0, "scale": 0.3})
     assert len(entries(tmp_path)) == len(variants) + 1
-    assert len(factorisations) == 5
+    assert len(factorisations) == 4
 
 
 def _stats_dir(root: Path, ids: list[str], in_features: int, seed: int, names=(NAME,)) -> Path:
@@ -351,7 +351,11 @@ def test_a_damaged_basis_is_ignored_logged_and_rebuilt(tmp_path, caplog, factori
     assert any(
         "bmm cache: ignoring" in r.getMessage() and basis.name in r.getMessage() for r in caplog.records
     )
-    assert len(factorisations) == 2
+    assert len(factorisations) == 1  # the eigendecomposition this process holds is stored again
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mergekit_bmm"):
+        assert torch.equal(bmm(tensors, cache=str(tmp_path)), first)
+    assert not caplog.records
 
 
 def test_unsolved_tensors_cache_computed_anchors_only(tmp_path):

@@ -171,8 +171,8 @@ def factor_key(settings: BMMSettings, source: AnchorSource, transpose: bool) -> 
 
 
 def gram_key(gram: torch.Tensor, rank: int | None) -> str:
-    """Key of one Gram's eigendecomposition: its exact content (so weights with the same ``G``
-    share it), the rank kept, and the versions that computed it (``eigh`` may change)."""
+    """What one Gram's eigendecomposition depends on: its exact content (so weights with the
+    same ``G`` can share it), the rank kept, and the versions that compute it."""
     description = {
         "format": CACHE_FORMAT,
         "kind": "basis",

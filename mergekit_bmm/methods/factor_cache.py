@@ -11,11 +11,11 @@ File layout:
 * ``<cache>/<tensor name>.<digest>.safetensors``: the tensor's correction and anchor, where
   ``digest`` hashes a *key*, a canonical JSON text describing everything the factors depend
   on (built by :mod:`mergekit_bmm.methods.cache_key`);
-* ``<cache>/bases/<digest>.<precision>.safetensors``: ``Q`` and ``Λ`` of one Gram, keyed by
-  the Gram's content. Weights that read the same input with the same statistics
-  (q/k/v, gate/up in the ``activations`` mode) have the same ``G`` and share one basis and
-  one eigendecomposition; a data-free or ``mix`` Gram contains the weight's own task
-  vectors and is its own.
+* ``<cache>/bases/<id>.<precision>.safetensors``: ``Q`` and ``Λ`` of one eigendecomposition;
+  an entry names the basis it was formed in. Weights that read the same input with the same
+  statistics (q/k/v, gate/up in the ``activations`` mode) have the same ``G`` and share one
+  basis and one eigendecomposition (:mod:`~mergekit_bmm.methods.factor_fill`); a data-free or
+  ``mix`` Gram contains the weight's own task vectors and is its own.
 
 Every file stores its full key in its metadata, which must match on reading, with a CRC-32 of
 every stored tensor: a stale, truncated or corrupt file is ignored (with a log line) and
@@ -73,20 +73,21 @@ class CorruptEntry(Exception):
     """A cache file that cannot be trusted; the message says why."""
 
 
-def _digest(key: str) -> str:
+def key_digest(key: str) -> str:
+    """A key's digest, as file names use it."""
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def entry_path(directory: str | Path, tensor_name: str, key: str) -> Path:
     """Where the entry for ``tensor_name`` under ``key`` lives."""
     readable = _SAFE_NAME.sub("_", tensor_name)[:160] or "tensor"
-    return Path(directory) / f"{readable}.{_digest(key)}.safetensors"
+    return Path(directory) / f"{readable}.{key_digest(key)}.safetensors"
 
 
-def basis_path(directory: str | Path, gram_key: str, precision: torch.dtype) -> Path:
-    """Where the basis of the Gram keyed ``gram_key`` lives, stored in ``precision``."""
+def basis_path(directory: str | Path, basis_id: str, precision: torch.dtype) -> Path:
+    """Where the basis ``basis_id`` lives, stored in ``precision``."""
     precision_name = str(precision).removeprefix("torch.")
-    return Path(directory) / BASIS_DIR / f"{_digest(gram_key)}.{precision_name}.safetensors"
+    return Path(directory) / BASIS_DIR / f"{_SAFE_NAME.sub('_', basis_id)}.{precision_name}.safetensors"
 
 
 def checksum(tensor: torch.Tensor) -> int:
@@ -112,6 +113,7 @@ class StoredBasis:
     """One Gram's ``Λ`` and ``Q`` as stored, and how far rounding moved ``Q`` (``‖ΔQ‖/√in``)."""
 
     path: Path
+    basis_id: str
     eigenvalues: torch.Tensor
     basis: torch.Tensor
     scale: torch.Tensor | None
@@ -152,34 +154,30 @@ class FactorCache:
 
     # -- bases: one per distinct Gram -------------------------------------------------
     def load_basis(
-        self, gram_key: str, d_in: int, compute: torch.dtype, precisions: tuple[torch.dtype, ...]
+        self, basis_id: str, d_in: int, compute: torch.dtype, precision: torch.dtype
     ) -> StoredBasis | None:
-        """The first stored basis of this Gram among ``precisions`` (None when there is none)."""
-        for precision in precisions:
-            path = basis_path(self.directory, gram_key, precision)
-            read = self._read(path, gram_key + str(precision), {})
-            if read is None:
-                continue
-            tensors, metadata = read
-            basis, eigenvalues = tensors.get("basis"), tensors.get("eigenvalues")
-            if basis is None or eigenvalues is None or basis.ndim != 2 or basis.shape[0] != d_in:
-                self._reject(path, "the basis has the wrong shape")
-                continue
-            if eigenvalues.shape != (basis.shape[1],) or basis.dtype != precision:
-                self._reject(path, "the eigenvalues do not match the basis")
-                continue
-            try:
-                rounding = float(metadata["rounding"])
-            except (KeyError, ValueError):
-                self._reject(path, "its rounding figure is missing")
-                continue
-            scale = tensors.get("basis" + SCALE_SUFFIX)
-            return StoredBasis(path, eigenvalues.to(compute), basis, scale, rounding)
-        return None
+        """The basis ``basis_id`` stored in ``precision`` (None when absent or unreadable)."""
+        path = basis_path(self.directory, basis_id, precision)
+        read = self._read(path, basis_id + str(precision), {})
+        if read is None:
+            return None
+        tensors, metadata = read
+        basis, eigenvalues = tensors.get("basis"), tensors.get("eigenvalues")
+        if basis is None or eigenvalues is None or basis.ndim != 2 or basis.shape[0] != d_in:
+            return self._reject(path, "the basis has the wrong shape")
+        if eigenvalues.shape != (basis.shape[1],) or basis.dtype != precision:
+            return self._reject(path, "the eigenvalues do not match the basis")
+        try:
+            rounding = float(metadata["rounding"])
+        except (KeyError, ValueError):
+            return self._reject(path, "its rounding figure is missing")
+        return StoredBasis(
+            path, basis_id, eigenvalues.to(compute), basis, tensors.get("basis" + SCALE_SUFFIX), rounding
+        )
 
     def store_basis(
         self,
-        gram_key: str,
+        basis_id: str,
         eigenvalues: torch.Tensor,
         basis: torch.Tensor,
         precision: torch.dtype,
@@ -187,11 +185,11 @@ class FactorCache:
         compute: torch.dtype,
     ) -> StoredBasis:
         """Write ``Q`` rounded to ``precision`` and ``Λ``; return what a later read gives."""
-        path = basis_path(self.directory, gram_key, precision)
+        path = basis_path(self.directory, basis_id, precision)
         tensors = {"eigenvalues": eigenvalues.to(compute), **_stored("basis", basis, precision)}
-        self._write(path, gram_key + str(precision), tensors, {"rounding": repr(rounding)})
+        self._write(path, basis_id + str(precision), tensors, {"rounding": repr(rounding)})
         scale = tensors.get("basis" + SCALE_SUFFIX)
-        return StoredBasis(path, tensors["eigenvalues"], tensors["basis"], scale, rounding)
+        return StoredBasis(path, basis_id, tensors["eigenvalues"], tensors["basis"], scale, rounding)
 
     # -- factors of solved tensors ---------------------------------------------------
     def load_factors(
@@ -206,10 +204,10 @@ class FactorCache:
         tensors, metadata = read
         try:
             scalars = {name: float(metadata[name]) for name in SCALARS}
-            gram_key, precision = metadata["gram_key"], _DTYPES[metadata["basis_precision"]]
+            basis_id, precision = metadata["basis"], _DTYPES[metadata["basis_precision"]]
         except (KeyError, ValueError):
             return self._reject(path, "its metadata is incomplete")
-        basis = self.load_basis(gram_key, in_features, compute, (precision,))
+        basis = self.load_basis(basis_id, in_features, compute, precision)
         correction = tensors.get("correction")
         if basis is None:
             return self._reject(path, "its basis file is missing or unreadable")
@@ -222,7 +220,6 @@ class FactorCache:
         tensor_name: str,
         key: str,
         basis: StoredBasis,
-        gram_key: str,
         correction: torch.Tensor,
         anchor: torch.Tensor,
         precisions: dict[str, torch.dtype],
@@ -236,7 +233,7 @@ class FactorCache:
             **_stored(ANCHOR, anchor, precisions["anchor"]),
         }
         metadata = {name: repr(float(scalars[name])) for name in SCALARS}
-        metadata.update(gram_key=gram_key, basis_precision=str(basis.precision))
+        metadata.update(basis=basis.basis_id, basis_precision=str(basis.precision))
         metadata["precision"] = json.dumps({name: str(dtype) for name, dtype in precisions.items()})
         self._write(entry_path(self.directory, tensor_name, key), key, tensors, metadata)
         return _factors(basis, tensors, scalars, compute)

@@ -1,13 +1,21 @@
-"""Building one solved tensor's cache entry: its Gram's basis (shared when it exists) and factors.
+"""Building one solved tensor's cache entry: its Gram's basis (shared when it can be) and factors.
 
-The first merge of a tensor with ``cache:`` diagonalises ``G`` in float64 — unless a basis of
-the very same ``G`` is already stored (another weight reading the same input, in the
-``activations`` mode), which is then reused — forms the correction ``(C − U0 G) Q`` in
-float64 and stores each factor at the precision :mod:`~mergekit_bmm.methods.factor_precision`
-chooses. It returns exactly what a later read of the entry gives.
+The first merge of a tensor with ``cache:`` diagonalises ``G`` in float64, forms the correction
+``(C − U0 G) Q`` in float64 *in that exact basis* and stores each factor at the precision
+:mod:`~mergekit_bmm.methods.factor_precision` chooses; it returns exactly what a later read of
+the entry gives. Forming the correction in a rounded basis instead would turn the basis'
+rounding into a backward error of ``G``, amplified by ``κ(G + λ'I)``: so a basis is shared only
+by weights whose exact eigendecomposition this process still holds. Weights that read the same
+input (q/k/v, gate/up in the ``activations`` mode) have the same ``G`` and are merged one after
+another, so the last ``RECENT_GRAMS`` eigendecompositions are kept in memory, keyed by the
+Gram's content, and their weights share one stored basis.
 """
 
 from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,10 +23,24 @@ from mergekit_bmm.core import closed_form
 from mergekit_bmm.core.closed_form import EigenFactors, NormalEquations
 from mergekit_bmm.methods import cache_key, factor_precision
 from mergekit_bmm.methods.bmm_parameters import BMMSettings
-from mergekit_bmm.methods.factor_cache import FactorCache
+from mergekit_bmm.methods.factor_cache import FactorCache, StoredBasis, key_digest
 
 EXACT = torch.float64
 AUTO_BASES = (factor_precision.FIXED_POINT, torch.float32)
+RECENT_GRAMS = 2
+
+
+@dataclass
+class _Eigen:
+    """One exact eigendecomposition, its stored copies by precision, and their file id."""
+
+    basis_id: str
+    eigenvalues: torch.Tensor
+    vectors: torch.Tensor
+    stored: dict[torch.dtype, StoredBasis] = field(default_factory=dict)
+
+
+_RECENT: OrderedDict[str, _Eigen] = OrderedDict()
 
 
 def thin_rank(settings: BMMSettings, tasks: int, out_features: int, in_features: int) -> int | None:
@@ -28,6 +50,22 @@ def thin_rank(settings: BMMSettings, tasks: int, out_features: int, in_features:
     return None
 
 
+def _eigen(gram_key: str, equations: NormalEquations, rank: int | None) -> _Eigen:
+    """This Gram's exact eigendecomposition: from memory when recent, else computed (and kept)."""
+    recent = _RECENT.get(gram_key)
+    if recent is not None:
+        _RECENT.move_to_end(gram_key)
+        return recent
+    eigenvalues, vectors = closed_form.diagonalise(equations.gram, EXACT, rank)
+    # One file id per eigendecomposition: another process's (or a later) eigendecomposition of
+    # the same G may differ in sign or within degenerate eigenspaces, and must not be mixed.
+    computed = _Eigen(f"{key_digest(gram_key)}-{uuid.uuid4().hex[:12]}", eigenvalues, vectors)
+    _RECENT[gram_key] = computed
+    while len(_RECENT) > RECENT_GRAMS:
+        _RECENT.popitem(last=False)
+    return computed
+
+
 def _budget(settings: BMMSettings, exact: EigenFactors, base: torch.Tensor) -> factor_precision.Budget:
     ridge = exact.ridge(settings.lam, settings.lambda_mode)
     floor = min(ridge, factor_precision.LAMBDA_FLOOR * max(exact.mean_eigenvalue, 0.0))
@@ -35,17 +73,19 @@ def _budget(settings: BMMSettings, exact: EigenFactors, base: torch.Tensor) -> f
     return factor_precision.Budget.of(float(base.to(EXACT).norm()), settings.scale, weights)
 
 
-def _exact(
-    equations: NormalEquations, eigenvalues: torch.Tensor, basis: torch.Tensor, residual, anchor
-) -> EigenFactors:
-    return EigenFactors(
-        basis=basis,
-        eigenvalues=eigenvalues.to(EXACT),
-        correction=residual @ basis,
-        anchor=anchor,
-        mean_eigenvalue=equations.mean_eigenvalue,
-        diagonal_max=float(torch.diagonal(equations.gram).max()) if equations.gram.numel() else 0.0,
-    )
+def _stored_basis(
+    cache: FactorCache, eigen: _Eigen, precision: torch.dtype, compute: torch.dtype
+) -> StoredBasis:
+    """The stored copy of ``eigen`` in ``precision``, written when missing or unreadable."""
+    stored = eigen.stored.get(precision)
+    d_in = eigen.vectors.shape[0]
+    if stored is None or cache.load_basis(eigen.basis_id, d_in, compute, precision) is None:
+        rounding = factor_precision.basis_rounding(eigen.vectors, precision)
+        stored = cache.store_basis(
+            eigen.basis_id, eigen.eigenvalues, eigen.vectors, precision, rounding, compute
+        )
+        eigen.stored[precision] = stored
+    return stored
 
 
 def fill_factors(
@@ -58,38 +98,29 @@ def fill_factors(
     settings: BMMSettings,
     rank: int | None,
 ) -> EigenFactors:
-    """Store ``name``'s factors under ``key`` and return them as a later read would.
-
-    The correction is always formed in the basis as stored (rounded), whether that basis was
-    just computed or read: a refill gives the same bits as the first fill.
-    """
+    """Store ``name``'s factors under ``key`` and return them as a later read would."""
     compute, fixed = settings.compute_dtype, settings.cache_dtype
-    gram = cache_key.gram_key(equations.gram, rank)
+    eigen = _eigen(cache_key.gram_key(equations.gram, rank), equations, rank)
     anchor = prior.to(EXACT)
     residual = equations.cross.to(EXACT) - anchor @ equations.gram.to(EXACT)
-    candidates = (fixed,) if fixed is not None else AUTO_BASES
-
-    def factors_in(eigenvalues: torch.Tensor, basis: torch.Tensor, precision: torch.dtype, rounding: float):
-        exact = _exact(equations, eigenvalues.to(compute), basis, residual, anchor)
-        if fixed is not None:
-            return exact, dict.fromkeys(("anchor", "correction", "basis"), fixed)
-        budget = _budget(settings, exact, base)
-        return exact, factor_precision.choose(exact.correction, anchor, budget, precision, rounding)
-
-    for precision in candidates:  # a stored basis of the same G, the cheapest that fits
-        stored = cache.load_basis(gram, equations.d_in, compute, (precision,))
-        if stored is not None:
-            exact, chosen = factors_in(stored.eigenvalues, stored.decoded(EXACT), precision, stored.rounding)
-            if chosen["basis"] == precision:
-                break
+    exact = EigenFactors(
+        basis=eigen.vectors,
+        eigenvalues=eigen.eigenvalues.to(compute).to(EXACT),
+        correction=residual @ eigen.vectors,
+        anchor=anchor,
+        mean_eigenvalue=equations.mean_eigenvalue,
+        diagonal_max=float(torch.diagonal(equations.gram).max()) if equations.gram.numel() else 0.0,
+    )
+    del residual
+    if fixed is not None:
+        chosen = dict.fromkeys(("anchor", "correction", "basis"), fixed)
     else:
-        eigenvalues, vectors = closed_form.diagonalise(equations.gram, EXACT, rank)
-        for precision in candidates:
-            rounded = factor_precision.decode(*factor_precision.encode(vectors, precision), EXACT)
-            rounding = factor_precision.basis_rounding(vectors, precision)
-            exact, chosen = factors_in(eigenvalues, rounded, precision, rounding)
+        budget = _budget(settings, exact, base)
+        for precision in AUTO_BASES:  # the cheapest basis that keeps the budget
+            columns = factor_precision.rounding_error(eigen.vectors, precision).norm(dim=0)
+            chosen = factor_precision.choose(exact.correction, anchor, budget, precision, columns)
             if chosen["basis"] == precision:
                 break
-        stored = cache.store_basis(gram, eigenvalues, vectors, precision, rounding, compute)
+    stored = _stored_basis(cache, eigen, chosen["basis"], compute)
     scalars = {"mean_eigenvalue": exact.mean_eigenvalue, "diagonal_max": exact.diagonal_max}
-    return cache.store_factors(name, key, stored, gram, exact.correction, anchor, chosen, scalars, compute)
+    return cache.store_factors(name, key, stored, exact.correction, anchor, chosen, scalars, compute)

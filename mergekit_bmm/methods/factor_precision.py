@@ -8,8 +8,9 @@ and of one scale (eigenvectors, corrections, task vectors), so fixed point round
 
 * anchor ``U0``: ``s·‖ΔU0‖`` (exactly, for any λ);
 * correction ``E Q``: ``s·‖ΔEQ·a‖`` (exactly: ``Q`` is orthonormal), largest at the smallest λ;
-* basis ``Q``: about ``2·s·‖EQ·a‖·‖ΔQ‖/√in`` (rounding errors are independent of ``EQ·a``;
-  counted twice, since corrections are formed in the rounded basis).
+* basis ``Q``: about ``s·(Σ_i ‖(EQ·a)_i‖²·‖ΔQ_i‖²)^½`` over its columns ``i`` (the correction
+  is formed in the exact basis, so the basis' rounding only turns the result, and rounding
+  errors are independent of ``EQ·a``).
 
 With ``cache_dtype: auto`` (the default) every factor starts in int16 and, while the three
 shares added in quadrature exceed ``TOLERANCE·‖W_pre‖`` at the corner of the default search
@@ -59,7 +60,8 @@ def rounding_error(matrix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def basis_rounding(basis: torch.Tensor, dtype: torch.dtype) -> float:
-    """``‖ΔQ‖/√in``: how far rounding moves a unit vector through the basis, on average."""
+    """``‖ΔQ‖/√in``: how far rounding moves a unit vector through the basis, on average
+    (recorded with a stored basis)."""
     return float(rounding_error(basis, dtype).norm()) / math.sqrt(max(basis.shape[0], 1))
 
 
@@ -81,18 +83,18 @@ def choose(
     anchor: torch.Tensor,
     budget: Budget,
     basis_precision: torch.dtype,
-    rounding: float,
+    basis_columns: torch.Tensor,
 ) -> dict[str, torch.dtype]:
     """Per factor, int16 or float32: the fewest float32 factors that keep the budget.
 
-    ``correction`` was formed in a basis stored as ``basis_precision`` with ``rounding``
-    (``basis_rounding``); the result's ``basis`` says whether that basis may stay.
+    The basis would be stored as ``basis_precision``, moving its columns by ``basis_columns``
+    (``‖ΔQ_i‖``); the result's ``basis`` says whether it may stay so.
     """
-    weighted = correction * budget.weights
+    turned = (correction * budget.weights).norm(dim=0) * basis_columns.to(correction.dtype)
     shares = {
         "anchor": float(rounding_error(anchor, FIXED_POINT).norm()),
         "correction": float(rounding_error(correction, FIXED_POINT).mul_(budget.weights).norm()),
-        "basis": 2.0 * float(weighted.norm()) * rounding,
+        "basis": float(turned.norm()),
     }
     chosen = {"anchor": FIXED_POINT, "correction": FIXED_POINT, "basis": basis_precision}
     if basis_precision != FIXED_POINT:
