@@ -18,7 +18,9 @@ mergekit buffers each output shard in memory until it is full (``--out-shard-siz
 is bounded (about 0.5 GB in bfloat16) and the private column shows what the merge itself holds.
 
 Every finished row is kept in ``--out``/rows.json and skipped when the script runs again
-(``--redo NAME`` reruns one); the table goes to ``--out``/billion.md.
+(``--redo NAME`` reruns one); the table goes to ``--out``/billion.md. ``--cache-layers 4`` measures the
+cache rows on the 4-layer family of the same width (a quarter of the fill), ``--cache-layers``
+alone skips them.
 
     nice -n 5 python bench/billion_merge.py       # about 1.5 hours on 2 cores; ~10 GB of models
 """
@@ -122,7 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "billion-cpu")
     parser.add_argument("--redo", action="append", default=[], help="rerun the row of this name")
-    parser.add_argument("--without-cache", action="store_true", help="stop before the cache rows")
+    parser.add_argument(
+        "--cache-layers", type=int, nargs="*", default=[16],
+        help="depths for the cache rows (default 16; none: skip them)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / "rows.json"
@@ -139,7 +144,6 @@ def main(argv: list[str] | None = None) -> None:
         return rows[name]
 
     deep = family(args.models, 16)
-    cache = args.work / "cache"
     merges = {
         "task_arithmetic": recipe(deep, "task_arithmetic"),
         "bmm data-free": recipe(deep, "bmm", "task_arithmetic"),
@@ -162,23 +166,31 @@ def main(argv: list[str] | None = None) -> None:
                 c, args.work / n.replace(" ", "-").replace(":", ""), args.work
             ),
         )
-    if args.without_cache:
+    for layers in args.cache_layers:
+        cached_rows(row, family(args.models, layers), layers, args.work)
+    if "bmm cache fill" not in rows:
+        print("(the 16-layer cache rows are not measured yet: run without --cache-layers)")
         return
-
-    def fill() -> dict:
-        shutil.rmtree(cache, ignore_errors=True)
-        measured = run_mergekit(
-            recipe(deep, "bmm", "task_arithmetic", cache=str(cache)), args.work / "fill", args.work
-        )
-        return {**measured, "cache_gib": folder_gib(cache)}
-
-    row("bmm cache fill", fill)
-    trial = recipe(deep, "bmm", "task_arithmetic", cache=str(cache), scale=1.1)
-    trial["parameters"]["lambda"] = 0.05
-    row("bmm cached trial", lambda: run_mergekit(trial, args.work / "trial", args.work))
     text = report(rows)
     (args.out / "billion.md").write_text(text + "\n")
     print(text)
+
+
+def cached_rows(row, models: dict, layers: int, work: Path) -> None:
+    """The cache fill (a fresh cache: an eigendecomposition per weight) and a cached trial."""
+    prefix = "" if layers == 16 else f"depth {layers}: "
+    cache = work / f"cache-{layers}"
+
+    def fill() -> dict:
+        shutil.rmtree(cache, ignore_errors=True)
+        config = recipe(models, "bmm", "task_arithmetic", cache=str(cache))
+        measured = run_mergekit(config, work / f"fill-{layers}", work)
+        return {**measured, "cache_gib": folder_gib(cache), "model_gib": folder_gib(models["base"])}
+
+    row(f"{prefix}bmm cache fill", fill)
+    trial = recipe(models, "bmm", "task_arithmetic", cache=str(cache), scale=1.1)
+    trial["parameters"]["lambda"] = 0.05
+    row(f"{prefix}bmm cached trial", lambda: run_mergekit(trial, work / f"trial-{layers}", work))
 
 
 def _weights(base: Path) -> int:
