@@ -232,8 +232,7 @@ class EigenFactors:
     Factors may be stored at a lower precision than the solve (16 bits in a cache: int16
     fixed point or float16), as matrices whose columns are multiplied by ``*_scale``
     vectors; the scales are folded into ``a`` (or applied while adding the anchor), so no
-    rescaled copy of a matrix is made. The
-    eigenvalues' dtype is the dtype of the solve.
+    rescaled copy of a matrix is made. The eigenvalues' dtype is the dtype of the solve.
     """
 
     basis: torch.Tensor
@@ -306,18 +305,27 @@ def diagonalise(gram: torch.Tensor, dtype: torch.dtype, rank: int | None = None)
     return eigenvalues, basis
 
 
-def correction_in_basis(
-    equations: NormalEquations, anchor: torch.Tensor, basis: torch.Tensor
-) -> torch.Tensor:
-    """``(C − U0 G) Q`` in ``basis``'s dtype.
+def factors_in_basis(
+    equations: NormalEquations, anchor: torch.Tensor, eigenvalues: torch.Tensor, basis: torch.Tensor
+) -> EigenFactors:
+    """The factors of these equations given ``G``'s eigendecomposition ``(Λ, Q)``, in ``Q``'s dtype.
 
-    Formed from ``G`` itself rather than as ``C Q − U0 Q Λ``: it stays right when ``Q`` is a
-    rounded copy of the eigenvectors (a stored basis), which then is simply the basis used.
+    The correction is formed as ``(C − U0 G) Q``; ``Q`` must be ``G``'s own (exact)
+    eigenvectors: a rounded copy would act as a backward error of ``G``, amplified by the
+    condition of ``G + λ'I``.
     """
+    _check_anchor(equations, anchor)
     dtype = basis.dtype
     anchor = anchor.to(device=basis.device, dtype=dtype)
     residual = equations.cross.to(dtype) - anchor @ equations.gram.to(dtype)
-    return residual @ basis
+    return EigenFactors(
+        basis=basis,
+        eigenvalues=eigenvalues,
+        correction=residual @ basis,
+        anchor=anchor,
+        mean_eigenvalue=equations.mean_eigenvalue,
+        diagonal_max=_diagonal_max(equations.gram),
+    )
 
 
 def eigen_factors(
@@ -335,17 +343,9 @@ def eigen_factors(
     of ``eps·‖C‖`` that ``1/(λ_i + λ')`` amplifies in the small directions. ``rank`` keeps
     only that many of the largest eigenvalues (a bound on ``G``'s rank: see the class).
     """
-    _check_anchor(equations, anchor)
-    dtype = dtype or equations.gram.dtype
-    eigenvalues, basis = diagonalise(equations.gram, dtype, rank)
-    return EigenFactors(
-        basis=basis,
-        eigenvalues=eigenvalues,
-        correction=correction_in_basis(equations, anchor, basis),
-        anchor=anchor.to(device=basis.device, dtype=dtype),
-        mean_eigenvalue=equations.mean_eigenvalue,
-        diagonal_max=_diagonal_max(equations.gram),
-    )
+    _check_anchor(equations, anchor)  # before the eigendecomposition, not after
+    eigenvalues, basis = diagonalise(equations.gram, dtype or equations.gram.dtype, rank)
+    return factors_in_basis(equations, anchor, eigenvalues, basis)
 
 
 def correction_weights(factors: EigenFactors, ridge: float, folded: bool = True) -> torch.Tensor:

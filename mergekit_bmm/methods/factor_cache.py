@@ -49,7 +49,7 @@ from safetensors.torch import save_file
 
 from mergekit_bmm.core.closed_form import EigenFactors
 from mergekit_bmm.io.atomic import replacing
-from mergekit_bmm.methods.factor_precision import decode, encode
+from mergekit_bmm.methods.factor_precision import encode
 
 LOG = logging.getLogger("mergekit_bmm")
 
@@ -110,21 +110,16 @@ def _in_compute(tensors: dict[str, torch.Tensor], name: str, compute: torch.dtyp
 
 @dataclass(frozen=True)
 class StoredBasis:
-    """One Gram's ``Λ`` and ``Q`` as stored, and how far rounding moved ``Q`` (``‖ΔQ‖/√in``)."""
+    """One eigendecomposition's ``Λ`` and ``Q`` as stored."""
 
-    path: Path
     basis_id: str
     eigenvalues: torch.Tensor
     basis: torch.Tensor
     scale: torch.Tensor | None
-    rounding: float
 
     @property
     def precision(self) -> torch.dtype:
         return self.basis.dtype
-
-    def decoded(self, dtype: torch.dtype) -> torch.Tensor:
-        return decode(self.basis, self.scale, dtype)
 
 
 def _factors(
@@ -161,19 +156,13 @@ class FactorCache:
         read = self._read(path, basis_id + str(precision), {})
         if read is None:
             return None
-        tensors, metadata = read
+        tensors, _ = read
         basis, eigenvalues = tensors.get("basis"), tensors.get("eigenvalues")
         if basis is None or eigenvalues is None or basis.ndim != 2 or basis.shape[0] != d_in:
             return self._reject(path, "the basis has the wrong shape")
         if eigenvalues.shape != (basis.shape[1],) or basis.dtype != precision:
             return self._reject(path, "the eigenvalues do not match the basis")
-        try:
-            rounding = float(metadata["rounding"])
-        except (KeyError, ValueError):
-            return self._reject(path, "its rounding figure is missing")
-        return StoredBasis(
-            path, basis_id, eigenvalues.to(compute), basis, tensors.get("basis" + SCALE_SUFFIX), rounding
-        )
+        return StoredBasis(basis_id, eigenvalues.to(compute), basis, tensors.get("basis" + SCALE_SUFFIX))
 
     def store_basis(
         self,
@@ -181,15 +170,15 @@ class FactorCache:
         eigenvalues: torch.Tensor,
         basis: torch.Tensor,
         precision: torch.dtype,
-        rounding: float,
         compute: torch.dtype,
     ) -> StoredBasis:
         """Write ``Q`` rounded to ``precision`` and ``Λ``; return what a later read gives."""
         path = basis_path(self.directory, basis_id, precision)
         tensors = {"eigenvalues": eigenvalues.to(compute), **_stored("basis", basis, precision)}
-        self._write(path, basis_id + str(precision), tensors, {"rounding": repr(rounding)})
-        scale = tensors.get("basis" + SCALE_SUFFIX)
-        return StoredBasis(path, basis_id, tensors["eigenvalues"], tensors["basis"], scale, rounding)
+        self._write(path, basis_id + str(precision), tensors, {})
+        return StoredBasis(
+            basis_id, tensors["eigenvalues"], tensors["basis"], tensors.get("basis" + SCALE_SUFFIX)
+        )
 
     # -- factors of solved tensors ---------------------------------------------------
     def load_factors(

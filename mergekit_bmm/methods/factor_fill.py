@@ -38,6 +38,13 @@ class _Eigen:
     eigenvalues: torch.Tensor
     vectors: torch.Tensor
     stored: dict[torch.dtype, StoredBasis] = field(default_factory=dict)
+    rounding: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def column_rounding(self, precision: torch.dtype) -> torch.Tensor:
+        """``‖ΔQ_i‖`` per column when the basis is stored in ``precision`` (computed once)."""
+        if precision not in self.rounding:
+            self.rounding[precision] = factor_precision.rounding_error(self.vectors, precision).norm(dim=0)
+        return self.rounding[precision]
 
 
 _RECENT: OrderedDict[str, _Eigen] = OrderedDict()
@@ -80,10 +87,7 @@ def _stored_basis(
     stored = eigen.stored.get(precision)
     d_in = eigen.vectors.shape[0]
     if stored is None or cache.load_basis(eigen.basis_id, d_in, compute, precision) is None:
-        rounding = factor_precision.basis_rounding(eigen.vectors, precision)
-        stored = cache.store_basis(
-            eigen.basis_id, eigen.eigenvalues, eigen.vectors, precision, rounding, compute
-        )
+        stored = cache.store_basis(eigen.basis_id, eigen.eigenvalues, eigen.vectors, precision, compute)
         eigen.stored[precision] = stored
     return stored
 
@@ -101,26 +105,20 @@ def fill_factors(
     """Store ``name``'s factors under ``key`` and return them as a later read would."""
     compute, fixed = settings.compute_dtype, settings.cache_dtype
     eigen = _eigen(cache_key.gram_key(equations.gram, rank), equations, rank)
-    anchor = prior.to(EXACT)
-    residual = equations.cross.to(EXACT) - anchor @ equations.gram.to(EXACT)
-    exact = EigenFactors(
-        basis=eigen.vectors,
-        eigenvalues=eigen.eigenvalues.to(compute).to(EXACT),
-        correction=residual @ eigen.vectors,
-        anchor=anchor,
-        mean_eigenvalue=equations.mean_eigenvalue,
-        diagonal_max=float(torch.diagonal(equations.gram).max()) if equations.gram.numel() else 0.0,
-    )
-    del residual
+    # Eigenvalues as a read gives them (compute dtype): the budget is then the same on a refill.
+    eigenvalues = eigen.eigenvalues.to(compute).to(EXACT)
+    exact = closed_form.factors_in_basis(equations, prior, eigenvalues, eigen.vectors)
     if fixed is not None:
         chosen = dict.fromkeys(("anchor", "correction", "basis"), fixed)
     else:
         budget = _budget(settings, exact, base)
+        columns = eigen.column_rounding(factor_precision.FIXED_POINT)
+        errors = factor_precision.shares(exact.correction, exact.anchor, budget, columns)
         for precision in AUTO_BASES:  # the cheapest basis that keeps the budget
-            columns = factor_precision.rounding_error(eigen.vectors, precision).norm(dim=0)
-            chosen = factor_precision.choose(exact.correction, anchor, budget, precision, columns)
+            chosen = factor_precision.choose(errors, budget, precision)
             if chosen["basis"] == precision:
                 break
     stored = _stored_basis(cache, eigen, chosen["basis"], compute)
     scalars = {"mean_eigenvalue": exact.mean_eigenvalue, "diagonal_max": exact.diagonal_max}
-    return cache.store_factors(name, key, stored, exact.correction, anchor, chosen, scalars, compute)
+    correction, anchor = exact.correction, exact.anchor
+    return cache.store_factors(name, key, stored, correction, anchor, chosen, scalars, compute)

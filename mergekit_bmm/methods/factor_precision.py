@@ -59,12 +59,6 @@ def rounding_error(matrix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return decode(*encode(matrix, dtype), matrix.dtype) - matrix
 
 
-def basis_rounding(basis: torch.Tensor, dtype: torch.dtype) -> float:
-    """``‖ΔQ‖/√in``: how far rounding moves a unit vector through the basis, on average
-    (recorded with a stored basis)."""
-    return float(rounding_error(basis, dtype).norm()) / math.sqrt(max(basis.shape[0], 1))
-
-
 @dataclass(frozen=True)
 class Budget:
     """How much error the factors together may add to ``W``, and the ``a`` of the worst λ."""
@@ -78,27 +72,25 @@ class Budget:
         return cls(TOLERANCE * base_norm / worst_scale, weights.to(torch.float64))
 
 
-def choose(
-    correction: torch.Tensor,
-    anchor: torch.Tensor,
-    budget: Budget,
-    basis_precision: torch.dtype,
-    basis_columns: torch.Tensor,
-) -> dict[str, torch.dtype]:
-    """Per factor, int16 or float32: the fewest float32 factors that keep the budget.
-
-    The basis would be stored as ``basis_precision``, moving its columns by ``basis_columns``
-    (``‖ΔQ_i‖``); the result's ``basis`` says whether it may stay so.
-    """
+def shares(
+    correction: torch.Tensor, anchor: torch.Tensor, budget: Budget, basis_columns: torch.Tensor
+) -> dict[str, float]:
+    """What storing each factor in int16 adds to ``W`` (per unit s) at the budget's λ; the
+    basis' rounding moves its columns by ``basis_columns`` (``‖ΔQ_i‖``)."""
     turned = (correction * budget.weights).norm(dim=0) * basis_columns.to(correction.dtype)
-    shares = {
+    return {
         "anchor": float(rounding_error(anchor, FIXED_POINT).norm()),
         "correction": float(rounding_error(correction, FIXED_POINT).mul_(budget.weights).norm()),
         "basis": float(turned.norm()),
     }
+
+
+def choose(errors: dict[str, float], budget: Budget, basis_precision: torch.dtype) -> dict[str, torch.dtype]:
+    """Per factor, int16 or float32: the fewest float32 factors that keep the budget, the
+    basis being offered as ``basis_precision`` (the result's ``basis`` says whether it may
+    stay so)."""
+    shares = dict(errors, basis=errors["basis"] if basis_precision == FIXED_POINT else 0.0)
     chosen = {"anchor": FIXED_POINT, "correction": FIXED_POINT, "basis": basis_precision}
-    if basis_precision != FIXED_POINT:
-        shares["basis"] = 0.0
     while math.hypot(*(shares[name] for name in chosen if chosen[name] == FIXED_POINT)) > budget.allowance:
         largest = max((name for name in chosen if chosen[name] == FIXED_POINT), key=shares.get)
         chosen[largest] = torch.float32
