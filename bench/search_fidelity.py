@@ -1,18 +1,20 @@
 """Cheap-then-full evaluation against full evaluation: trials per hour and the model each finds.
 
-Runs one search twice from the same ``search.yml`` and seed — once as written (the search's
-default ``fidelity:``, cheap-then-full with early stopping), once with ``--full-eval`` — each
-in its own process, then scores both searches' ``best/`` on the test split with the test
-evaluator (every example, one per-example score each) and prints, side by side: wall time,
-trials per hour, evaluation seconds per trial, the share of validation examples scored,
-promotions, the best validation score, the test score with its 95 % bootstrap interval, and
-the paired test difference (staged − full) with its interval. Writes ``fidelity.json`` and
-``fidelity.png`` (best validation score against wall time) into ``--out``.
+Runs one search several times from the same ``search.yml`` and seed — with ``--full-eval``,
+and cheap-then-full with early stopping for each ``--cheap`` share (the default ``fidelity:``
+otherwise) — each in its own process, then scores every search's ``best/`` on the test split
+with the test evaluator (every example, one per-example score each) and prints, side by side:
+wall time, trials per hour, trials per CPU-hour (the search process and its workers, from the
+kernel's accounting), evaluation seconds per trial, the share of validation examples scored,
+promotions, the best validation score, the test score with its 95 % bootstrap interval, and the
+paired test difference (staged − full) with its interval. ``--concurrent`` runs the arms at
+once, one core's share each, so a machine busy with other work slows them alike. Writes
+``fidelity.json`` and ``fidelity.png`` (best validation score against wall time) into ``--out``.
 
 The classification benchmark (after its ``task_arithmetic`` stage)::
 
     nice -n 10 python bench/search_fidelity.py --run /work/bench-cache/runs/zeroshot8 \\
-        --out /work/bench-fidelity/zeroshot8 --budget 40
+        --out /work/bench-fidelity/zeroshot8 --budget 40 --threads 1 --cheap 0.25 --cheap 0.125
 
 Any search, e.g. the language track's lm-eval search (its ``search.yml`` is kept in its folder)::
 
@@ -35,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 BIN = Path(sys.executable).parent
-MODES = ("staged", "full")
+FULL = "full"
 
 
 def search_from_run(run: Path, anchor_weight: float, groups: list[str]) -> tuple[dict, dict]:
@@ -56,24 +58,41 @@ def search_from_run(run: Path, anchor_weight: float, groups: list[str]) -> tuple
     return search, test["evaluator"]
 
 
-def run_search(search: dict, out: Path, full: bool, threads: int) -> dict:
-    """One search in its own process; its summary, records and wall time."""
+def arm_name(cheap: float | None) -> str:
+    return FULL if cheap is None else f"cheap {cheap:g}"
+
+
+def start_search(search: dict, out: Path, cheap: float | None, threads: int) -> dict:
+    """One arm's search in its own process (``cheap`` None: full evaluation)."""
     out.mkdir(parents=True, exist_ok=True)
+    if cheap is not None:
+        search = {**search, "fidelity": {**search.get("fidelity", {}), "cheap": cheap}}
     search_yml = out.with_name(out.name + ".yml")
     search_yml.write_text(yaml.safe_dump(search, sort_keys=False), encoding="utf-8")
     command = [str(BIN / "mergekit-bmm-search"), str(search_yml), str(out), "--quiet", "-j", str(threads)]
-    if full:
+    if cheap is None:
         command.append("--full-eval")
-    started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
-    wall = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"search {out} failed:\n{done.stderr[-3000:]}")
+    log = (out.with_name(out.name + ".log")).open("w", encoding="utf-8")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return {"out": out, "process": process, "started": time.perf_counter(), "log": log}
+
+
+def finish_search(arm: dict) -> dict:
+    """Wait for an arm; its summary, records, wall time and CPU time (itself and its workers)."""
+    _, status, usage = os.wait4(arm["process"].pid, 0)
+    arm["process"].returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - arm["started"]
+    arm["log"].close()
+    out = arm["out"]
+    if arm["process"].returncode != 0:
+        tail = out.with_name(out.name + ".log").read_text(encoding="utf-8")[-3000:]
+        raise SystemExit(f"search {out} failed:\n{tail}")
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     records = [
         json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines() if '"trial"' in line
     ]
-    return {"summary": summary, "records": records, "wall_seconds": wall}
+    cpu = usage.ru_utime + usage.ru_stime
+    return {"summary": summary, "records": records, "wall_seconds": wall, "cpu_seconds": cpu}
 
 
 def test_values(evaluator_block: dict, model_dir: Path) -> dict[str, list[float]]:
@@ -108,6 +127,8 @@ def measure(run: dict, values: dict[str, list[float]]) -> dict:
         "trials": len(records),
         "wall_seconds": round(run["wall_seconds"], 1),
         "trials_per_hour": round(3600 * len(records) / run["wall_seconds"], 1),
+        "cpu_seconds": round(run["cpu_seconds"], 1),
+        "trials_per_cpu_hour": round(3600 * len(records) / run["cpu_seconds"], 1),
         "evaluate_seconds_per_trial": round(evaluate / max(len(records), 1), 2),
         "examples_scored_share": round(scored / total, 4) if total else 1.0,
         "fidelity": summary.get("fidelity"),
@@ -125,11 +146,12 @@ def measure(run: dict, values: dict[str, list[float]]) -> dict:
 
 def table(results: dict) -> str:
     header = (
-        f"{'evaluation':<16}{'K':>4}{'wall s':>9}{'trials/h':>10}{'eval s/trial':>14}{'examples':>10}"
+        f"{'evaluation':<16}{'K':>4}{'wall s':>9}{'trials/h':>10}{'trials/CPU-h':>14}"
+        f"{'eval s/trial':>14}{'examples':>10}"
         f"{'full/promoted/stopped':>23}{'best val':>10}{'test [95% CI]':>24}"
     )
     lines = [header, "-" * len(header)]
-    for mode in MODES:
+    for mode in results["arms"]:
         row = results[mode]
         fidelity = row["fidelity"] or {}
         counts = "/".join(
@@ -139,18 +161,22 @@ def table(results: dict) -> str:
         test = row["test"]
         lines.append(
             f"{mode:<16}{row['trials']:>4}{row['wall_seconds']:>9.0f}{row['trials_per_hour']:>10.1f}"
+            f"{row['trials_per_cpu_hour']:>14.1f}"
             f"{row['evaluate_seconds_per_trial']:>14.2f}"
             f"{100 * row['examples_scored_share']:>9.0f}%{counts:>23}"
             f"{100 * row['best_validation']:>10.2f}"
             f"{f'{100 * test[0]:.2f} [{100 * test[1]:.2f}, {100 * test[2]:.2f}]':>24}"
         )
-    delta = results["test_delta"]
-    lines += [
-        "",
-        f"trials/hour, staged over full: {results['speedup']:.2f}x",
-        f"test, staged - full (paired): {100 * delta[0]:+.2f} "
-        f"[{100 * delta[1]:.2f}, {100 * delta[2]:.2f}] points",
-    ]
+    lines.append("")
+    for mode in results["arms"]:
+        if mode == FULL:
+            continue
+        row, delta = results[mode], results[mode]["test_delta"]
+        lines.append(
+            f"{mode} over full: trials/hour {row['speedup']:.2f}x, trials/CPU-hour "
+            f"{row['cpu_speedup']:.2f}x; test, {mode} - full (paired): {100 * delta[0]:+.2f} "
+            f"[{100 * delta[1]:.2f}, {100 * delta[2]:.2f}] points"
+        )
     return "\n".join(lines)
 
 
@@ -161,7 +187,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for mode in MODES:
+    for mode in results["arms"]:
         best, xs, ys = None, [], []
         for elapsed, score in results[mode]["curve"]:
             best = score if best is None else max(best, score)
@@ -183,6 +209,7 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from bench.merging.intervals import paired_difference
+    from mergekit_bmm.search.config import FidelityConfig
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, help="a benchmark run folder (<cache>/runs/<name>)")
@@ -191,6 +218,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--cheap",
+        type=float,
+        action="append",
+        help="a staged arm with this cheap share (repeatable; default: the search's own fidelity)",
+    )
+    parser.add_argument("--concurrent", action="store_true", help="run the arms at once")
     parser.add_argument("--anchor-weight", type=float, default=0.3, help="--run: Task Arithmetic's weight")
     parser.add_argument("--groups", default="attn_in,attn_out,mlp_in,mlp_out", help="--run: searched groups")
     args = parser.parse_args(argv)
@@ -203,17 +237,38 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give --run, or --search-yml with --test-evaluator")
     search["budget"] = args.budget
     search.setdefault("n_initial", min(10, args.budget))
-    results: dict = {"budget": args.budget, "search": search}
+    default_cheap = search.get("fidelity", {}).get("cheap", FidelityConfig().cheap)
+    cheaps = [None, *(args.cheap or [default_cheap])]
+    arms = {arm_name(cheap): cheap for cheap in cheaps}
+    results: dict = {
+        "budget": args.budget,
+        "search": search,
+        "arms": list(arms),
+        "concurrent": args.concurrent,
+    }
+    folder = {name: args.out / name.replace(" ", "-") for name in arms}
+    runs = {}
+    if args.concurrent:
+        started = {
+            name: start_search(search, folder[name], cheap, args.threads) for name, cheap in arms.items()
+        }
+        runs = {name: finish_search(arm) for name, arm in started.items()}
+    else:
+        for name, cheap in arms.items():
+            runs[name] = finish_search(start_search(search, folder[name], cheap, args.threads))
     values = {}
-    for mode in MODES:
-        run = run_search(search, args.out / mode, mode == "full", args.threads)
-        values[mode] = test_values(test, args.out / mode / "best")
-        results[mode] = measure(run, values[mode])
+    for name in arms:
+        values[name] = test_values(test, folder[name] / "best")
+        results[name] = measure(runs[name], values[name])
         print(
-            f"{mode}: {results[mode]['trials']} trials in {results[mode]['wall_seconds']:.0f} s", flush=True
+            f"{name}: {results[name]['trials']} trials in {results[name]['wall_seconds']:.0f} s", flush=True
         )
-    results["speedup"] = results["staged"]["trials_per_hour"] / results["full"]["trials_per_hour"]
-    results["test_delta"] = [round(v, 4) for v in paired_difference(values["staged"], values["full"])]
+    for name in arms:
+        if name != FULL:
+            row, full = results[name], results[FULL]
+            row["speedup"] = round(row["trials_per_hour"] / full["trials_per_hour"], 3)
+            row["cpu_speedup"] = round(row["trials_per_cpu_hour"] / full["trials_per_cpu_hour"], 3)
+            row["test_delta"] = [round(v, 4) for v in paired_difference(values[name], values[FULL])]
     (args.out / "fidelity.json").write_text(
         json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8"
     )

@@ -126,3 +126,16 @@ def test_label_outside_head_and_wrong_hidden_size_are_clear_errors(tiny_encoder,
     wide = save_head(tmp_path / "w.safetensors", torch.zeros(2, 64), torch.zeros(2), ["a", "b"])
     with pytest.raises(TensorInputError, match="hidden size 64"):
         task_logits(model, tokenizer, {"name": "t", "head": str(wide), "data": str(data)})
+
+
+def test_rows_of_mixed_length_are_batched_with_little_padding():
+    """A staged evaluation scores a few dozen random rows at a time: they are split into
+    batches of similar length (each row once), not padded to the longest of them all."""
+    from mergekit_bmm.evaluation.classification import length_batches
+
+    lengths = [random_length % 48 + 1 for random_length in range(7, 7 + 64 * 13, 13)]
+    batches = length_batches(lengths, 64)
+    assert sorted(i for batch in batches for i in batch) == list(range(64))
+    padded = sum(len(batch) * max(lengths[i] for i in batch) for batch in batches)
+    assert padded < 1.3 * sum(lengths) < 64 * max(lengths)
+    assert all(len(batch) <= 64 for batch in length_batches([5] * 200, 64))

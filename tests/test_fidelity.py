@@ -163,7 +163,8 @@ def test_weights_count_in_the_bound_and_the_score():
     assert math.isclose((3 * result.per_task["a"] + result.per_task["b"]) / 4, weighted)
 
 
-def test_staged_search_finds_the_known_optimum_as_full_evaluation_does():
+@pytest.mark.parametrize("promote_z", [2.0, 1.0])  # 1.0 is the default
+def test_staged_search_finds_the_known_optimum_as_full_evaluation_does(promote_z):
     """A GP search (scikit-optimize, EI) on a known objective: accuracy peaks at x = 0.3.
     Telling the optimiser cheap estimates for trials that stopped must not lead it astray."""
     from skopt import Optimizer
@@ -185,7 +186,8 @@ def test_staged_search_finds_the_known_optimum_as_full_evaluation_does():
             def score(task, indices, p=p):
                 return [float(draws[i] < p) for i in indices]
 
-            rule = RULE if staged else {"cheap": None, "promote_z": 0.0, "early_stop": False, "chunk": 400}
+            full = {"cheap": None, "promote_z": 0.0, "early_stop": False, "chunk": 400}
+            rule = {**RULE, "promote_z": promote_z} if staged else full
             result = staged_scores(examples, score, {}, best, **rule)
             value = result.per_task["t"] if result.level == FULL else result.estimate
             scored += result.scored

@@ -270,6 +270,29 @@ def pad_token_id(tokenizer: Any) -> int:
     return 0
 
 
+def length_batches(lengths: Sequence[int], batch_size: int, min_rows: int = 8) -> list[list[int]]:
+    """Row indices in batches of similar length: sorted by length, a batch ends at ``batch_size``
+    rows or, once it has ``min_rows``, where the next row is over 1.25 × its shortest.
+
+    A few dozen rows of mixed length (one chunk of a staged evaluation) then cost about what
+    they cost inside a whole sorted task, instead of all being padded to the longest (measured
+    on MiniLM, 48 tokens: 64 random rows in one batch cost 1.4 × the whole task's rate per row).
+    """
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if current and (
+            len(current) >= batch_size
+            or (len(current) >= min_rows and lengths[index] > 1.25 * lengths[current[0]])
+        ):
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
 @torch.inference_mode()
 def pooled_encoded(
     model: Any,
@@ -290,12 +313,10 @@ def pooled_encoded(
     device = next(model.parameters()).device
     was_training = getattr(model, "training", False)
     model.eval()
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
     pooled: torch.Tensor | None = None
     try:
-        starts = range(0, len(order), batch_size)
-        for start in tqdm(starts, desc=progress, disable=progress is None, leave=False):
-            chunk = order[start : start + batch_size]
+        batches = length_batches([len(row["input_ids"]) for row in rows], batch_size)
+        for chunk in tqdm(batches, desc=progress, disable=progress is None, leave=False):
             batch = {k: v.to(device) for k, v in _pad([rows[i] for i in chunk], pad_id).items()}
             hidden = _last_hidden_state(model, batch)
             if pooled is None:

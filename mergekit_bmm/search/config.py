@@ -71,9 +71,9 @@ class FidelityConfig(BaseModel):
 
     enabled: bool = True
     cheap: float = Field(default=0.25, gt=0, le=1, description="share of each task's examples scored first")
-    promote_z: float = Field(default=2.0, ge=0, description="standard errors of slack for promotion")
+    promote_z: float = Field(default=1.0, ge=0, description="standard errors of slack for promotion")
     early_stop: bool = True
-    chunk: int = Field(default=128, ge=1, description="examples scored between early-stop checks")
+    chunk: int = Field(default=64, ge=1, description="examples of one task scored between checks")
 
 
 class SearchConfig(BaseModel):

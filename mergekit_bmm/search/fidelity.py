@@ -14,8 +14,9 @@ mean is the task's score, e.g. accuracy), a trial is scored in stages:
    beat it by a hair). Standard errors are finite-population corrected: the full score is
    a mean over a fixed set.
 2. **full**: the other examples, in chunks taken from every task in turn. After each
-   round of chunks the same comparison is made on every example scored so far, and the
-   trial stops once it fails it. With ``early_stop`` it also stops as soon as it could not
+   chunk the same comparison is made on every example scored so far (every task already
+   has its cheap share, so each task's mean is estimated throughout), and the trial stops
+   once it fails it. With ``early_stop`` it also stops as soon as it could not
    beat the incumbent even if every remaining example were right (then it is certainly
    below the incumbent).
 
@@ -221,9 +222,7 @@ def staged_scores(
     for task, total in trial.totals.items():
         taken = set(first.get(task, ()))
         rest[task] = [i for i in range(total) if i not in taken]
-    for position, task, indices in _round_robin(
-        {task: _chunks(indices, chunk) for task, indices in rest.items()}
-    ):
+    for task, indices in _round_robin({task: _chunks(indices, chunk) for task, indices in rest.items()}):
         trial.add(task, indices, score(task, indices))
         if incumbent is None:
             continue
@@ -233,8 +232,7 @@ def staged_scores(
             )
             behind()
             return _finish(result, trial, STOPPED)
-        last_of_round = position.last
-        if first and last_of_round and behind():
+        if first and behind():
             done = sum(len(scored) for scored in trial.values.values())
             result.stopped_at = f"after {done} of {result.total} examples (estimate)"
             return _finish(result, trial, STOPPED)
@@ -254,23 +252,15 @@ def _chunks(indices: list[int], size: int) -> list[list[int]]:
     return [indices[start : start + size] for start in range(0, len(indices), size)]
 
 
-@dataclass(frozen=True)
-class _Position:
-    round: int
-    last: bool  # the last chunk of its round: every task has advanced once
-
-
-def _round_robin(chunks: Mapping[str, list[list[int]]]) -> list[tuple[_Position, str, list[int]]]:
+def _round_robin(chunks: Mapping[str, list[list[int]]]) -> list[tuple[str, list[int]]]:
     """One chunk of every task in turn, so every task is covered early (a tighter comparison)."""
     order = []
     for position in range(max((len(c) for c in chunks.values()), default=0)):
-        this_round = [
+        order.extend(
             (task, task_chunks[position])
             for task, task_chunks in chunks.items()
             if position < len(task_chunks)
-        ]
-        for offset, (task, indices) in enumerate(this_round):
-            order.append((_Position(position, offset == len(this_round) - 1), task, indices))
+        )
     return order
 
 
