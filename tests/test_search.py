@@ -333,6 +333,10 @@ def test_eval_anchor_outputs_and_summary_contract(family, tmp_path):
     for name in ("convergence.png", "lambdas.png", "best.yml", "summary.json", "anchor.yml"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "best" / "model.safetensors").exists()
+    for line in (out / "trials.jsonl").read_text().splitlines():
+        times = json.loads(line)["time"]  # wall seconds per stage, and the trial's CPU seconds
+        assert {"merge", "evaluate", "surrogate", "total", "elapsed"} <= set(times) and times["cpu"] > 0
+        assert times["total"] >= times["merge"] + times["evaluate"] + times["surrogate"] - 1e-3
     # files get the permissions the user's umask gives, like any other tool's
     umask = os.umask(0)
     os.umask(umask)

@@ -312,8 +312,9 @@ class SearchRun:
         if error is None and outcome.fidelity and outcome.fidelity.get("estimate") is not None:
             score = outcome.fidelity["estimate"]  # not scored in full: its estimated full score
         times = {key: round(value, 4) for key, value in outcome.times.items() if key != "round_trip"}
+        stages = sum(value for key, value in outcome.times.items() if key not in ("round_trip", "cpu"))
         times["surrogate"] = round(surrogate, 4)
-        times["total"] = round(outcome.times.get("round_trip", sum(times.values())) + surrogate, 4)
+        times["total"] = round(outcome.times.get("round_trip", stages) + surrogate, 4)
         times["elapsed"] = round(time.perf_counter() - self.trials_started, 4)  # since the trials began
         return TrialRecord(
             trial=trial.index,
