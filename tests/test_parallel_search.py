@@ -151,18 +151,20 @@ def test_ctrl_c_stops_the_search_and_its_workers(family, tmp_path, sigint, stop)
     while time.time() < deadline and not (out / "trials" / "trial-0001.yml").exists():
         time.sleep(0.5)
     assert (out / "trials" / "trial-0001.yml").exists(), driver.stderr.read() if driver.poll() else ""
-    workers = _worker_pids()
+    workers = _worker_pids(driver.pid)
     assert len(workers) == 2
     driver.send_signal(stop)
     _, stderr = driver.communicate(timeout=120)
     assert driver.returncode == 130, stderr[-2000:]
     assert "Run the same command again to resume" in stderr
     time.sleep(1)
-    assert not (set(_worker_pids()) & set(workers))
+    assert not (set(_worker_pids()) & set(workers))  # any left, whoever their parent now is
     assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
 
 
-def _worker_pids() -> list[int]:
+def _worker_pids(ancestor: int | None = None) -> list[int]:
+    """Search worker processes on this machine; with ``ancestor``, only those it started (other
+    searches may be running beside the tests)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -171,8 +173,21 @@ def _worker_pids() -> list[int]:
             except OSError:
                 continue
             if "mergekit_bmm.search.workers import main" in command:
-                pids.append(int(entry.name))
+                if ancestor is None or ancestor in _ancestors(int(entry.name)):
+                    pids.append(int(entry.name))
     return pids
+
+
+def _ancestors(pid: int) -> list[int]:
+    chain = []
+    while pid > 1:
+        try:
+            stat = (Path("/proc") / str(pid) / "stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rpartition(")")[2].split()[1])
+        chain.append(pid)
+    return chain
 
 
 @pytest.fixture(scope="module")
