@@ -78,10 +78,20 @@ def start_search(search: dict, out: Path, cheap: float | None, threads: int) -> 
     return {"out": out, "process": process, "started": time.perf_counter(), "log": log}
 
 
+def wait_all(arms) -> None:
+    """Note when each concurrent arm ends (they end in any order)."""
+    running = list(arms)
+    while running:
+        for arm in [a for a in running if a["process"].poll() is not None]:
+            arm["ended"] = time.perf_counter()
+            running.remove(arm)
+        time.sleep(1.0)
+
+
 def finish_search(arm: dict) -> dict:
-    """Wait for an arm; its summary, records and wall time."""
+    """Wait for an arm; its summary, records and wall time (to its own end: see ``wait_all``)."""
     arm["process"].wait()
-    wall = time.perf_counter() - arm["started"]
+    wall = arm.get("ended", time.perf_counter()) - arm["started"]
     arm["log"].close()
     out = arm["out"]
     if arm["process"].returncode != 0:
@@ -252,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         started = {
             name: start_search(search, folder[name], cheap, args.threads) for name, cheap in arms.items()
         }
+        wait_all(started.values())
         runs = {name: finish_search(arm) for name, arm in started.items()}
     else:
         for name, cheap in arms.items():
