@@ -93,15 +93,6 @@ def run_stages(label: str, stages: Sequence[tuple[str, Callable[[], Any]]]) -> T
     clock = time.perf_counter
     outcome = TrialOutcome(times={name: 0.0 for name, _ in stages})
     cpu_start = time.process_time()
-    try:
-        return _run_timed(label, stages, outcome, clock)
-    finally:
-        outcome.times["cpu"] = time.process_time() - cpu_start
-
-
-def _run_timed(
-    label: str, stages: Sequence[tuple[str, Callable[[], Any]]], outcome: TrialOutcome, clock
-) -> TrialOutcome:
     result: Any = None
     for name, stage in stages:
         tick = clock()
@@ -116,8 +107,10 @@ def _run_timed(
             outcome.traceback = f"{label} ({name})\n" + "".join(
                 traceback.format_exception(type(caught), caught, caught.__traceback__)
             )
+            outcome.times["cpu"] = time.process_time() - cpu_start
             return outcome
         outcome.times[name] = clock() - tick
+    outcome.times["cpu"] = time.process_time() - cpu_start
     if isinstance(result, StagedScores):
         outcome.per_task, outcome.fidelity = dict(result.per_task), result.record()
     else:
