@@ -9,7 +9,9 @@ the CPU time of the process that ran it, so a busy machine or a resumed run does
 evaluation seconds per trial, the share of validation examples scored,
 promotions, the best validation score, the test score with its 95 % bootstrap interval, and the
 paired test difference (staged − full) with its interval. ``--concurrent`` runs the arms at
-once, one core's share each, so a machine busy with other work slows them alike. Writes
+once, one core's share each, so a machine busy with other work slows them alike. An arm whose
+folder under ``--out`` holds a finished search (e.g. a full arm copied from an earlier run of the
+same search) resumes as finished, so only the other arms run. Writes
 ``fidelity.json`` and ``fidelity.png`` (best validation score against wall time) into ``--out``.
 
 The classification benchmark (after its ``task_arithmetic`` stage)::
@@ -124,6 +126,11 @@ def test_values(evaluator_block: dict, model_dir: Path) -> dict[str, list[float]
     return {task: score(task, range(spec.count)) for task, spec in evaluator.examples().items()}
 
 
+def _end_seconds(records: list[dict]) -> float:
+    """When the last trial ended, on the search's clock (``time.elapsed``)."""
+    return max((r["time"]["elapsed"] for r in records), default=0.0)
+
+
 def measure(run: dict, values: dict[str, list[float]]) -> dict:
     from bench.merging.intervals import interval
 
@@ -136,7 +143,8 @@ def measure(run: dict, values: dict[str, list[float]]) -> dict:
     return {
         "trials": len(records),
         "wall_seconds": round(run["wall_seconds"], 1),
-        "trials_per_hour": round(3600 * len(records) / run["wall_seconds"], 1),
+        # the search's own clock: a finished arm reused from an earlier run keeps its time
+        "trials_per_hour": round(3600 * len(records) / _end_seconds(records), 1),
         "cpu_seconds": round(cpu, 1),
         "trials_per_cpu_hour": round(3600 * len(records) / cpu, 1) if cpu else None,
         "evaluate_seconds_per_trial": round(evaluate / max(len(records), 1), 2),
@@ -145,7 +153,7 @@ def measure(run: dict, values: dict[str, list[float]]) -> dict:
         "best_validation": summary["best_score"],
         "best_values": summary["best_values"],
         "test": [round(estimate, 4), round(low, 4), round(high, 4)],
-        "end_seconds": round(max((r["time"]["elapsed"] for r in records), default=0.0), 1),
+        "end_seconds": round(_end_seconds(records), 1),
         "curve": [
             [round(r["time"]["elapsed"], 1), r["score"]]
             for r in records

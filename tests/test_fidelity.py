@@ -74,10 +74,11 @@ def test_a_close_trial_is_judged_against_the_incumbent_on_the_same_examples():
         return [float(draws[i] < 0.8 and i not in worse) for i in indices]
 
     incumbent = Incumbent(0.8, {"t": [float(v < 0.8) for v in draws]})
-    paired = staged_scores(examples, score, {}, incumbent, **RULE)
+    whole_share = {**RULE, "chunk": 100}  # one look, at the end of the cheap share
+    paired = staged_scores(examples, score, {}, incumbent, **whole_share)
     assert paired.paired and paired.level == CHEAP and paired.scored == 100
     assert paired.estimate == pytest.approx(0.8 - 4 / 100)
-    unpaired = staged_scores(examples, score, {}, 0.8, **RULE)
+    unpaired = staged_scores(examples, score, {}, 0.8, **whole_share)
     assert not unpaired.paired and unpaired.level != CHEAP  # within the unpaired band: promoted
 
 
@@ -115,13 +116,15 @@ def test_full_trials_keep_every_example_score_for_pairing_after_a_resume():
     assert incumbent.values["a"] == [float(v < 0.7) for v in draws["a"][:400]]
 
 
-def test_a_clearly_worse_trial_stops_after_the_cheap_stage():
+def test_a_clearly_worse_trial_stops_at_the_first_look_of_its_cheap_stage():
+    """Once every task has one chunk, a trial far behind ends without the rest of its cheap share."""
     score, _, asked = _scorer({"a": 0.3, "b": 0.2})
     result = staged_scores(EXAMPLES, score, {}, 0.8, **RULE)
-    assert result.level == CHEAP and result.scored == 150
-    assert {task for task, _ in asked} == {"a", "b"}
+    assert result.level == CHEAP and result.scored == 2 * RULE["chunk"]
+    assert [task for task, _ in asked] == ["a", "b"]
+    assert "cheap examples (estimate)" in result.stopped_at
     assert result.cheap_score + 2 * result.cheap_se < 0.8
-    assert result.record()["level"] == "cheap" and result.record()["scored"] == 150
+    assert result.record()["level"] == "cheap" and result.record()["scored"] == 2 * RULE["chunk"]
 
 
 def test_a_close_trial_is_promoted_and_its_full_score_is_exact():

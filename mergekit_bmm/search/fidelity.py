@@ -6,10 +6,12 @@ after a fraction of their examples. For an evaluator that can score single examp
 mean is the task's score, e.g. accuracy), a trial is scored in stages:
 
 1. **cheap**: a fixed, stratified ``cheap`` share of every task's examples (the same
-   examples for every trial). The trial is compared with the incumbent *on the same
-   examples* (a paired difference ``d``: what the two models share cancels, so nearby
-   trials are told apart with few examples) and its full score is estimated as
-   ``incumbent + d``. Unless ``d + promote_z · se(d) > 0`` the trial ends here (a trial
+   examples for every trial), scored in chunks taken from every task in turn. The trial is
+   compared with the incumbent *on the same examples* (a paired difference ``d``: what the
+   two models share cancels, so nearby trials are told apart with few examples) and its full
+   score is estimated as ``incumbent + d``. Unless ``d + promote_z · se(d) > 0`` the trial
+   ends: after any chunk once every task has one (a trial far behind is told apart on a few
+   hundred examples), and at the end of its cheap share, where passing promotes it (a trial
    that agrees with the incumbent on every cheap example is not promoted: at best it would
    beat it by a hair). Standard errors are finite-population corrected: the full score is
    a mean over a fixed set.
@@ -211,8 +213,17 @@ def staged_scores(
         return estimate + promote_z * error <= incumbent.score
 
     if first:
-        for task, indices in first.items():
+        cheap_chunks = _round_robin({task: _chunks(indices, chunk) for task, indices in first.items()})
+        cheap_total = sum(len(indices) for indices in first.values())
+        for position, (task, indices) in enumerate(cheap_chunks):
             trial.add(task, indices, score(task, indices))
+            every_task_in = all(trial.values[t] for t, chosen in first.items() if chosen)
+            last = position == len(cheap_chunks) - 1
+            if incumbent is not None and every_task_in and not last and behind():
+                done = sum(len(scored) for scored in trial.values.values())
+                result.stopped_at = f"after {done} of {cheap_total} cheap examples (estimate)"
+                result.cheap_score, result.cheap_se, _ = trial.estimate(None)
+                return _finish(result, trial, CHEAP)
         result.cheap_score, result.cheap_se, _ = trial.estimate(None)
         if incumbent is not None:
             if behind():
@@ -315,7 +326,8 @@ def describe(summary: Mapping[str, Any]) -> str:
     share = summary["examples_scored"] / max(summary["examples_total"], 1)
     return (
         f"cheap-then-full evaluation: {summary['full']} of {summary['trials']} trials scored in full "
-        f"({summary['promoted']} promoted after the cheap stage), {summary['cheap_only']} stopped after it, "
-        f"{summary['stopped_early']} stopped early; {100 * share:.0f}% of validation examples scored, "
+        f"({summary['promoted']} promoted after the cheap stage), "
+        f"{summary['cheap_only']} ended in the cheap stage, {summary['stopped_early']} stopped after it; "
+        f"{100 * share:.0f}% of validation examples scored, "
         f"about {summary['evaluation_seconds_saved']:.0f} s of evaluation saved"
     )
