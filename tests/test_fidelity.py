@@ -293,6 +293,10 @@ def test_lm_eval_scores_single_documents_as_it_scores_the_task(tmp_path, monkeyp
     evaluator = LMEvalEvaluator(config, "cpu")
     model, tokenizer = load_model(family.base, "AutoModelForCausalLM", "cpu"), load_tokenizer(family.base)
     assert evaluator.scores_examples and evaluator.examples()["toy_choice"].count == 6
+    import torch.utils.collect_env
+
+    reports = []  # a search calls lm-eval once per chunk: its environment report is skipped
+    monkeypatch.setattr(torch.utils.collect_env, "get_pretty_env_info", lambda: reports.append(1) or "")
     plain = evaluator.evaluate_model(model, tokenizer)
     values = evaluator.example_scorer(model, tokenizer)("toy_choice", [5, 0, 2])
     every = evaluator.example_scorer(model, tokenizer)("toy_choice", range(6))
@@ -300,3 +304,4 @@ def test_lm_eval_scores_single_documents_as_it_scores_the_task(tmp_path, monkeyp
     assert math.isclose(sum(every) / 6, plain["toy_choice"])
     staged = staged_scores(evaluator.examples(), evaluator.example_scorer(model, tokenizer), {}, None, **RULE)
     assert staged.level == FULL and math.isclose(staged.per_task["toy_choice"], plain["toy_choice"])
+    assert not reports  # no `pip list` and the like per call

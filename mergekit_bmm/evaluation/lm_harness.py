@@ -19,6 +19,8 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,24 @@ from mergekit_bmm.evaluation.config import LMEvalEvaluatorConfig
 def _quiet_lm_eval() -> None:
     for name in ("lm-eval", "lm_eval", "lm_eval.evaluator", "lm_eval.tasks", "lm_eval.models"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@contextmanager
+def _no_environment_report() -> Iterator[None]:
+    """``simple_evaluate`` ends by collecting an environment report (torch's ``collect_env``
+    runs ``pip list`` and more in subprocesses: about 1.3 s of wall time per call). A search
+    calls it once per chunk of documents and keeps none of it, so it is skipped."""
+    import lm_eval.evaluator
+
+    original = getattr(lm_eval.evaluator, "add_env_info", None)
+    if original is None:  # another lm-eval version: nothing to skip
+        yield
+        return
+    lm_eval.evaluator.add_env_info = lambda results: None
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.add_env_info = original
 
 
 class LMEvalEvaluator:
@@ -67,9 +87,6 @@ class LMEvalEvaluator:
                 return local
         return task_manager_class(include_path=self.config.include_path)
 
-    # A staged evaluation checks the bound once per task: each lm-eval call has a fixed cost.
-    example_chunk = 10**9
-
     def evaluate(self, model_dir: Path) -> dict[str, float]:
         return evaluate_folder(self, model_dir, self.device)
 
@@ -89,17 +106,18 @@ class LMEvalEvaluator:
     def _run(self, lm: Any, tasks: list[str], samples: dict[str, list[int]] | None = None) -> dict[str, Any]:
         import lm_eval
 
-        return lm_eval.simple_evaluate(
-            model=lm,
-            tasks=tasks,
-            task_manager=self.task_manager,
-            limit=None if samples is not None else self.config.limit,
-            samples=samples,
-            num_fewshot=self.config.num_fewshot,
-            log_samples=samples is not None,
-            bootstrap_iters=0,
-            verbosity="ERROR",
-        )
+        with _no_environment_report():
+            return lm_eval.simple_evaluate(
+                model=lm,
+                tasks=tasks,
+                task_manager=self.task_manager,
+                limit=None if samples is not None else self.config.limit,
+                samples=samples,
+                num_fewshot=self.config.num_fewshot,
+                log_samples=samples is not None,
+                bootstrap_iters=0,
+                verbosity="ERROR",
+            )
 
     def evaluate_model(self, model: Any, tokenizer: Any) -> dict[str, float]:
         """lm-eval's ``HFLM`` wrapped around the live model (no folder is read)."""

@@ -290,7 +290,7 @@ def evaluate_trial(evaluator: Any, model: Any, tokenizer: Any, incumbent: Incumb
         rule.cheap,
         rule.promote_z,
         rule.early_stop,
-        max(rule.chunk, getattr(evaluator, "example_chunk", 0)),
+        rule.chunk,
     )
 
 
