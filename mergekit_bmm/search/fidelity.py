@@ -218,17 +218,14 @@ def staged_scores(
         for position, (task, indices) in enumerate(cheap_chunks):
             trial.add(task, indices, score(task, indices))
             every_task_in = all(trial.values[t] for t, chosen in first.items() if chosen)
-            last = position == len(cheap_chunks) - 1
-            if incumbent is not None and every_task_in and not last and behind():
-                done = sum(len(scored) for scored in trial.values.values())
-                result.stopped_at = f"after {done} of {cheap_total} cheap examples (estimate)"
+            if incumbent is not None and every_task_in and behind():
+                if position < len(cheap_chunks) - 1:  # before the end of the share: say where
+                    done = sum(len(scored) for scored in trial.values.values())
+                    result.stopped_at = f"after {done} of {cheap_total} cheap examples (estimate)"
                 result.cheap_score, result.cheap_se, _ = trial.estimate(None)
                 return _finish(result, trial, CHEAP)
         result.cheap_score, result.cheap_se, _ = trial.estimate(None)
-        if incumbent is not None:
-            if behind():
-                return _finish(result, trial, CHEAP)
-            result.promoted = True
+        result.promoted = incumbent is not None
     rest = {}
     for task, total in trial.totals.items():
         taken = set(first.get(task, ()))
