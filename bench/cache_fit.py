@@ -38,6 +38,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from bench.common import move_body_low_rank  # noqa: E402
+
 FAMILIES = {"moved 4%": 0.05, "moved 1%": 0.0125}
 MODES = ("data_free", "activations")
 SHARED_INPUTS = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
@@ -55,16 +57,7 @@ def family(root: Path, strength: float, rank: int = 8, noise: float = 2e-4) -> d
     for index, path in enumerate([paths["base"], *paths["experts"]]):
         model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         if index > 0:
-            generator = torch.Generator().manual_seed(100 + index)
-            with torch.no_grad():
-                for name, parameter in model.named_parameters():
-                    if parameter.ndim == 2 and ".layers." in name:
-                        rows, columns = parameter.shape
-                        left = (
-                            torch.randn(rows, rank, generator=generator) * parameter.abs().mean() * strength
-                        )
-                        right = torch.randn(rank, columns, generator=generator) / rank**0.5
-                        parameter += left @ right + noise * torch.randn(rows, columns, generator=generator)
+            move_body_low_rank(model, strength, seed=100 + index, rank=rank, noise=noise)
         model.to(torch.bfloat16).save_pretrained(path)
     (folder / "done").write_text("1")
     return paths

@@ -62,6 +62,19 @@ def ensure_llama_family(
     return paths
 
 
+def move_body_low_rank(model, strength: float, seed: int, rank: int = 8, noise: float = 2e-4) -> None:
+    """Move every 2D weight of the decoder layers by a rank-``rank`` update of ``strength``·mean|W|
+    per entry plus a little noise: an expert whose task vectors have a known shape and size."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.ndim == 2 and ".layers." in name:
+                rows, columns = parameter.shape
+                left = torch.randn(rows, rank, generator=generator) * parameter.abs().mean() * strength
+                right = torch.randn(rank, columns, generator=generator) / rank**0.5
+                parameter += left @ right + noise * torch.randn(rows, columns, generator=generator)
+
+
 def status_mib(field: str) -> float:
     """A field of /proc/self/status (VmHWM, RssAnon, ...) in MiB."""
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench.common import ensure_llama_family, solved_shapes, status_mib  # noqa: E402
+from bench.common import ensure_llama_family, move_body_low_rank, solved_shapes, status_mib  # noqa: E402
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mergekit-bmm" / "bench"
 
@@ -67,16 +67,8 @@ def smollm2_family(root: Path, rank: int = 8, noise: float = 2e-4) -> dict | Non
     base.to(torch.bfloat16).save_pretrained(folder / "base")
     tokenizer.save_pretrained(folder / "base")
     for index in range(3):
-        generator = torch.Generator().manual_seed(100 + index)
         expert = transformers.AutoModelForCausalLM.from_pretrained(folder / "base", dtype=torch.float32)
-        with torch.no_grad():
-            for name, parameter in expert.named_parameters():
-                if parameter.ndim == 2 and ".layers." in name:
-                    rows, columns = parameter.shape
-                    scale = parameter.abs().mean() * 0.05
-                    left = torch.randn(rows, rank, generator=generator) * scale
-                    right = torch.randn(rank, columns, generator=generator) / rank**0.5
-                    parameter += left @ right + noise * torch.randn(rows, columns, generator=generator)
+        move_body_low_rank(expert, 0.05, seed=100 + index, rank=rank, noise=noise)
         expert.to(torch.bfloat16).save_pretrained(folder / f"expert-{index}")
         tokenizer.save_pretrained(folder / f"expert-{index}")
     (folder / "done").write_text("1")
