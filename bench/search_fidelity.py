@@ -126,9 +126,27 @@ def test_values(evaluator_block: dict, model_dir: Path) -> dict[str, list[float]
     return {task: score(task, range(spec.count)) for task, spec in evaluator.examples().items()}
 
 
+def _search_clock(records: list[dict]) -> list[tuple[float, dict]]:
+    """Each record with when it ended on the search's own clock, in finishing order.
+
+    ``time.elapsed`` restarts at zero when a search resumes, so every restart adds the time
+    the search had run before it: the clock counts the search's running time over all its
+    runs, not the pauses between them.
+    """
+    ordered = sorted(records, key=lambda r: (r.get("finished_at") or "", r["time"]["elapsed"]))
+    clock, offset, previous = [], 0.0, 0.0
+    for record in ordered:
+        elapsed = record["time"]["elapsed"]
+        if elapsed < previous:  # a resumed run: its clock started again
+            offset += previous
+        clock.append((offset + elapsed, record))
+        previous = elapsed
+    return clock
+
+
 def _end_seconds(records: list[dict]) -> float:
-    """When the last trial ended, on the search's clock (``time.elapsed``)."""
-    return max((r["time"]["elapsed"] for r in records), default=0.0)
+    """When the last trial ended, on the search's clock over all its runs."""
+    return max((seconds for seconds, _ in _search_clock(records)), default=0.0)
 
 
 def measure(run: dict, values: dict[str, list[float]]) -> dict:
@@ -155,8 +173,8 @@ def measure(run: dict, values: dict[str, list[float]]) -> dict:
         "test": [round(estimate, 4), round(low, 4), round(high, 4)],
         "end_seconds": round(_end_seconds(records), 1),
         "curve": [
-            [round(r["time"]["elapsed"], 1), r["score"]]
-            for r in records
+            [round(seconds, 1), r["score"]]
+            for seconds, r in _search_clock(records)
             if r.get("status") == "ok" and (r.get("fidelity") or {}).get("level", "full") == "full"
         ],
     }
@@ -178,7 +196,7 @@ def table(results: dict) -> str:
         )
         test = row["test"]
         lines.append(
-            f"{mode:<16}{row['trials']:>4}{row['wall_seconds']:>9.0f}{row['trials_per_hour']:>10.1f}"
+            f"{mode:<16}{row['trials']:>4}{row['end_seconds']:>9.0f}{row['trials_per_hour']:>10.1f}"
             f"{row['trials_per_cpu_hour']:>14.1f}"
             f"{row['evaluate_seconds_per_trial']:>14.2f}"
             f"{100 * row['examples_scored_share']:>9.0f}%{counts:>23}"
