@@ -141,9 +141,11 @@ def test_zero_shot_run_stops_experts_early_and_reports_range(tmp_path):
     path = tmp_path / "zs.yml"
     path.write_text(yaml.safe_dump(config))
     args = ["run", str(path), "--cache-dir", str(tmp_path / "cache"), "--results-dir", str(tmp_path / "out")]
+    args += ["--device", "auto"]  # the GPU where there is one: here, the CPU
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     results = json.loads((tmp_path / "out" / "zs" / "results.json").read_text())
+    assert results["machine"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     manifest = json.loads((tmp_path / "cache" / "runs" / "zs" / "manifest.json").read_text())
     head = load_head(manifest["heads"]["mood"])
     assert head.normalize == "l2" and torch.allclose(head.weight.norm(dim=-1), torch.full((2,), 20.0))
@@ -172,3 +174,27 @@ def test_an_interrupted_sweep_keeps_its_scored_points(tmp_path):
     assert set(finished) == {("reference", None), ("mlp_in", 0.1)}
     assert finished[("reference", None)]["validation"] == 0.7
     assert _finished_points(tmp_path / "missing.jsonl") == {}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_run_without_a_gpu_is_one_line(tmp_path):
+    """``--device cuda`` on a machine without a GPU stops before any work, in one line that
+    says how to go on."""
+    from click.testing import CliRunner
+    from test_benchmark_smoke import tiny_encoder_config, write_task
+
+    from bench.merging.__main__ import main
+
+    config = {
+        **tiny_encoder_config(tmp_path, "gpu"),
+        "tasks": [{"name": "mood", "jsonl": str(write_task(tmp_path / "mood.jsonl", "mood", 40, 1, True))}],
+        "niceness": 0,
+    }
+    path = tmp_path / "gpu.yml"
+    path.write_text(yaml.safe_dump(config))
+    args = ["run", str(path), "--device", "cuda", "--cache-dir", str(tmp_path / "cache")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA GPU" in lines[0] and "--device cpu" in lines[0], result.output
+    assert not (tmp_path / "cache" / "tasks").exists()

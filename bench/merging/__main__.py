@@ -47,7 +47,15 @@ def main() -> None:
     is_flag=True,
     help="Run only the language track (writes language.json; the full report picks it up).",
 )
-def run(config: Path, cache_dir: Path, results_dir: Path, until: str, language_only: bool) -> None:
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda", "auto"]),
+    default=None,
+    help="Train, score, merge and search here (default: the config's `device`, itself cpu by default).",
+)
+def run(
+    config: Path, cache_dir: Path, results_dir: Path, until: str, language_only: bool, device: str | None
+) -> None:
     """Build what is missing, reuse what is cached, write the results."""
     for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(variable, "1")
@@ -55,10 +63,13 @@ def run(config: Path, cache_dir: Path, results_dir: Path, until: str, language_o
     from bench.merging.pipeline import run_benchmark, run_language_only
 
     try:
+        loaded = load_config(config)
+        if device is not None:
+            loaded = loaded.model_copy(update={"device": device})
         if language_only:
-            run_language_only(load_config(config), cache_dir, results_dir)
+            run_language_only(loaded, cache_dir, results_dir)
         else:
-            run_benchmark(load_config(config), cache_dir, results_dir, until)
+            run_benchmark(loaded, cache_dir, results_dir, until)
     except Exception as error:
         ours = error if isinstance(error, BMMError) else find_bmm_error(error)
         if ours is None:

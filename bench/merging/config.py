@@ -258,6 +258,10 @@ class RunConfig(_Strict):
     sweeps: SweepSpec = Field(default_factory=SweepSpec)
     ablation: AblationSpec = Field(default_factory=AblationSpec)
     language: LanguageSpec = Field(default_factory=LanguageSpec)
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        default="cpu",
+        description="where experts train, models score, merges and searches run (auto: the GPU if any)",
+    )
     niceness: int = Field(default=10, ge=0, le=19, description="the run lowers its CPU priority to this")
     threads: int | None = Field(
         default=None,

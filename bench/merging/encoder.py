@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from bench.merging import device
 from bench.merging.cache import Stage, model_folder_fingerprint
 from bench.merging.config import EncoderSpec
 from mergekit_bmm.errors import ConfigError
@@ -74,6 +75,6 @@ def load_encoder(folder: Path, threads: int | None = None):
 
     if threads:
         torch.set_num_threads(threads)
-    model = AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval().to(device.current())
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return model, tokenizer

@@ -14,6 +14,7 @@ folder (safetensors + config + tokenizer) that mergekit reads directly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bench.merging import device
 from bench.merging.cache import Stage, model_folder_fingerprint
 from bench.merging.config import FinetuneSpec
 from bench.merging.tasks import HEAD_SPLIT, TaskData
@@ -37,7 +39,8 @@ def deterministic(threads: int) -> Iterator[None]:
     previous_threads = torch.get_num_threads()
     previous_mode = torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
+    # a kernel with no deterministic CUDA version warns instead of stopping a GPU run
+    torch.use_deterministic_algorithms(True, warn_only=device.current() == "cuda")
     try:
         yield
     finally:
@@ -65,11 +68,13 @@ def train_encoder(
     """
     from transformers import AutoModel, AutoTokenizer
 
-    head = load_head(head_file)
-    targets = torch.tensor(labels, dtype=torch.long)
+    on = device.current()
+    stored = load_head(head_file)
+    head = dataclasses.replace(stored, weight=stored.weight.to(on), bias=stored.bias.to(on))
+    targets = torch.tensor(labels, dtype=torch.long, device=on)
     with deterministic(spec.threads):
         torch.manual_seed(seed)
-        model = AutoModel.from_pretrained(str(encoder_dir), dtype=torch.float32)
+        model = AutoModel.from_pretrained(str(encoder_dir), dtype=torch.float32).to(on)
         tokenizer = AutoTokenizer.from_pretrained(str(encoder_dir))
         model.train()
         drop_token_types = getattr(model.config, "type_vocab_size", 0) <= 0
@@ -81,7 +86,7 @@ def train_encoder(
                 truncation=True,
                 max_length=max_length,
                 return_tensors="pt",
-            )
+            ).to(on)
             if drop_token_types:
                 encoded.pop("token_type_ids", None)
             hidden = model(**encoded).last_hidden_state
@@ -92,8 +97,8 @@ def train_encoder(
 
         def held_out_accuracy() -> float:
             assert held_out is not None
-            features = pooled_features(model, tokenizer, held_out[0], max_length, 64, head.pooling)
-            return float((head.logits(features).argmax(-1) == torch.tensor(held_out[1])).double().mean())
+            features = pooled_features(model, tokenizer, held_out[0], max_length, 64, stored.pooling)
+            return float((stored.logits(features).argmax(-1) == torch.tensor(held_out[1])).double().mean())
 
         batches = batch_order(len(texts), spec.batch_size, spec.steps, seed)
         evaluate = held_out_accuracy if held_out is not None and spec.eval_every else None
@@ -126,6 +131,7 @@ def build_expert(
         "max_length": max_length,
         "seed": seed,
         "torch": torch.__version__.split("+")[0],
+        **device.cache_key(),
     }
     stage = Stage(cache_dir, "experts", task.name, payload, model_folder_fingerprint)
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.merging import device
 from bench.merging.cache import stable_key
 from mergekit_bmm.io.fingerprint import model_fingerprint
 
@@ -60,7 +61,9 @@ def run_mergekit(recipe: dict[str, Any], out_dir: Path) -> Path:
         shutil.rmtree(out_dir)
     LoaderCache().loaders.clear()  # mergekit never invalidates its loaders (stale data otherwise)
     config = MergeConfiguration.model_validate(copy.deepcopy(recipe))
-    options = MergeOptions(quiet=True, copy_tokenizer=True, write_model_card=False, lazy_unpickle=False)
+    options = MergeOptions(
+        quiet=True, copy_tokenizer=True, write_model_card=False, lazy_unpickle=False, device=device.current()
+    )
     run_merge(config, str(out_dir), options)
     LoaderCache().loaders.clear()
     return out_dir

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from tqdm.auto import tqdm
 
-from bench.merging import report
+from bench.merging import device, report
 from bench.merging.anchor_tuning import materialise, tune_anchor
 from bench.merging.cache import ScoreCache, read_json, stable_key, write_json
 from bench.merging.config import AnchorSpec, RunConfig
@@ -83,6 +83,7 @@ def run_language_only(config: RunConfig, cache_dir: Path, results_dir: Path) -> 
     from bench.merging.language.track import run_language_track
 
     lower_priority(config.niceness)
+    device.use(config.device)
     torch.set_num_threads(config.language.finetune.threads)
     language = run_language_track(config, Path(cache_dir).resolve())
     folder = Path(results_dir).resolve() / config.name
@@ -98,6 +99,7 @@ def run_benchmark(
     import torch
 
     lower_priority(config.niceness)
+    device.use(config.device)
     torch.set_num_threads(config.work_threads)
     cache_dir, results_dir = Path(cache_dir).resolve(), Path(results_dir).resolve()
     stop = STAGES.index(until)
@@ -167,7 +169,7 @@ def run_benchmark(
 
 
 def machine() -> dict[str, Any]:
-    """Where the figures were made: CPU model and cores, torch, and a GPU if one was used."""
+    """Where the figures were made: CPU model and cores, torch, the run's device and its GPU."""
     import platform
 
     import torch
@@ -180,8 +182,14 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "gpu": gpu}
+    gpu = torch.cuda.get_device_name(0) if device.current() == "cuda" else None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "device": device.current(),
+        "gpu": gpu,
+    }
 
 
 def _fill_clock_from_records(clock: StageClock, results: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from bench.merging import device
 from bench.merging.cache import read_json, stable_key, write_json
 from bench.merging.config import SearchSpec, StatsSpec
 from mergekit_bmm.errors import ConfigError
@@ -80,7 +81,8 @@ def collect_stats(
     config_path = folder.with_name(folder.name + ".yml")
     config_path.write_text(yaml.safe_dump(stats_yml, sort_keys=False), encoding="utf-8")
     started = time.time()
-    _run("mergekit-bmm-stats", [str(config_path), str(folder)], folder.with_name(folder.name + ".log"))
+    args = [str(config_path), str(folder), "--device", device.current()]
+    _run("mergekit-bmm-stats", args, folder.with_name(folder.name + ".log"))
     seconds = round(time.time() - started, 1)
     write_json(record, {"seconds": seconds, "stats_yml": stats_yml})
     return folder, seconds
@@ -144,7 +146,7 @@ def run_search(
         summary = read_json(summary_path)
         finished = summary.get("status") == "finished" and (folder / "best.yml").is_file()
     if not finished:
-        args = [str(config_path), str(folder), "--device", "cpu", "-j", str(threads)]
+        args = [str(config_path), str(folder), "--device", device.current(), "-j", str(threads)]
         args += ["--workers", str(workers)]
         if cache is not None:
             args += ["--cache-dir", str(cache)]

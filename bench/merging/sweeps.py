@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from bench.merging import device
 from bench.merging.cache import read_json, stable_key, write_json
 from bench.merging.config import SweepSpec
 from mergekit_bmm.core.module_map import GROUP_NAMES
@@ -57,7 +58,7 @@ def sweep_setting(
 
     config = parse_search_config(search, cache)
     experiment = prepare_experiment(config, cache)
-    evaluator = make_evaluator(config.evaluator, "cpu")
+    evaluator = make_evaluator(config.evaluator, device.current())
     reference = {d.name: spec.reference_lambda for d in experiment.space.dimensions if d.kind == "lambda"}
     reference["block0.scale"] = spec.reference_scale
     resident = ResidentModel.load(
@@ -65,7 +66,7 @@ def sweep_setting(
         experiment.base_model,
         experiment.space,
         evaluator.loading,
-        merge_options(None, quiet=True, device="cpu"),
+        merge_options(None, quiet=True, device=device.current()),
     )
     points = [("reference", None, reference)]
     for group in experiment.space.groups:

@@ -100,6 +100,8 @@ def train_loop(
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         torch.set_rng_state(saved["rng"])
+        if "cuda_rng" in saved:  # dropout on a GPU draws from its own generator
+            torch.cuda.set_rng_state_all(saved["cuda_rng"])
         state = saved["state"]
         state["resumed_at"] = state["step"]
     start, started = state["step"], time.time() - state["seconds"]
@@ -191,16 +193,16 @@ def _evaluate_and_keep_best(
 
 def _save(path: Path, model, optimizer, scheduler, state: dict[str, Any]) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": torch.get_rng_state(),
-            "state": state,
-        },
-        temporary,
-    )
+    saved = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": torch.get_rng_state(),
+        "state": state,
+    }
+    if next(model.parameters()).is_cuda:
+        saved["cuda_rng"] = torch.cuda.get_rng_state_all()
+    torch.save(saved, temporary)
     os.replace(temporary, path)
 
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.merging import device
 from bench.merging.cache import ScoreCache
 from bench.merging.language.mc_tasks import MCTask
 
@@ -29,7 +30,7 @@ def lm_eval_accuracy(
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     output = lm_eval.simple_evaluate(
         model="hf",
-        model_args={"pretrained": str(model_dir), "dtype": "float32", "device": "cpu"},
+        model_args={"pretrained": str(model_dir), "dtype": "float32", "device": device.current()},
         tasks=list(task_names),
         batch_size=batch_size,
         limit=limit,

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.merging import device
 from bench.merging.cache import Stage, model_folder_fingerprint
 from bench.merging.config import FinetuneSpec
 from bench.merging.finetune import deterministic
@@ -62,14 +63,15 @@ def train_lm(
         torch.manual_seed(seed)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        model.train()
+        model.to(device.current()).train()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         examples = [
             encode_example(tokenizer, r["query"], r["choices"][r["label"]], max_length) for r in records
         ]
 
         def step_loss(rows: np.ndarray) -> tuple[torch.Tensor, int]:
-            batch = collate([examples[i] for i in rows], pad_id)
+            rows_batch = collate([examples[i] for i in rows], pad_id)
+            batch = {name: tensor.to(model.device) for name, tensor in rows_batch.items()}
             output = model(**batch)
             answer = batch["labels"][:, 1:] != -100
             predicted = output.logits[:, :-1].argmax(-1)
@@ -100,6 +102,7 @@ def build_lm_expert(
         "max_length": max_length,
         "seed": seed,
         "torch": torch.__version__.split("+")[0],
+        **device.cache_key(),
     }
     stage = Stage(cache_dir, "language/experts", task.name, payload, model_folder_fingerprint)
 
