@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from bench.merging import device
 from bench.merging.cache import Stage, model_folder_fingerprint
 from bench.merging.config import FinetuneSpec
 from bench.merging.tasks import HEAD_SPLIT, TaskData
-from bench.merging.training import batch_order, summary, train_loop
+from bench.merging.training import batch_order, expert_key, expert_seed, summary, train_loop
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.evaluation.classification import load_head, pool, pooled_features
 
@@ -122,17 +121,10 @@ def build_expert(
     cache_dir: Path,
 ) -> tuple[Path, dict[str, Any], bool]:
     """``(expert_dir, record, cached)``: fine-tune once, then reuse the cached folder."""
-    seed = (spec.seed * 1_000_003 + zlib.crc32(task.name.encode())) % 2**31
-    payload = {
-        "task_data": task.sha256,
-        "head": head_sha,
-        "encoder": encoder_fingerprint,
-        "finetune": spec.model_dump(mode="json"),
-        "max_length": max_length,
-        "seed": seed,
-        "torch": torch.__version__.split("+")[0],
-        **device.cache_key(),
-    }
+    seed = expert_seed(spec, task.name)
+    payload = expert_key(
+        spec, max_length, seed, task_data=task.sha256, head=head_sha, encoder=encoder_fingerprint
+    )
     stage = Stage(cache_dir, "experts", task.name, payload, model_folder_fingerprint)
 
     held_out = None

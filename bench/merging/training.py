@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,30 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.merging import device
 from bench.merging.config import FinetuneSpec
 
 CHECKPOINT = "resume-state.ckpt"
 BEST = "best-state.ckpt"
 NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
+
+
+def expert_seed(spec: FinetuneSpec, task_name: str) -> int:
+    """Each task's expert draws its own batch order and dropout from the run's seed."""
+    return (spec.seed * 1_000_003 + zlib.crc32(task_name.encode())) % 2**31
+
+
+def expert_key(spec: FinetuneSpec, max_length: int, seed: int, **inputs: str) -> dict[str, Any]:
+    """What an expert's weights depend on: its ``inputs`` (data, starting model, head), the
+    training settings, torch's version and the device (:func:`bench.merging.device.cache_key`)."""
+    return {
+        **inputs,
+        "finetune": spec.model_dump(mode="json"),
+        "max_length": max_length,
+        "seed": seed,
+        "torch": torch.__version__.split("+")[0],
+        **device.cache_key(),
+    }
 
 
 def linear_schedule(steps: int, warmup: int) -> Callable[[int], float]:

@@ -10,7 +10,6 @@ threads, checkpoints in the stage's ``.partial`` folder.
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from bench.merging.cache import Stage, model_folder_fingerprint
 from bench.merging.config import FinetuneSpec
 from bench.merging.finetune import deterministic
 from bench.merging.language.mc_tasks import MCTask
-from bench.merging.training import batch_order, summary, train_loop
+from bench.merging.training import batch_order, expert_key, expert_seed, summary, train_loop
 
 
 def encode_example(tokenizer, query: str, answer: str, max_length: int) -> tuple[list[int], int]:
@@ -94,16 +93,8 @@ def build_lm_expert(
     max_length: int,
     cache_dir: Path,
 ) -> tuple[Path, dict[str, Any], bool]:
-    seed = (spec.seed * 1_000_003 + zlib.crc32(task.name.encode())) % 2**31
-    payload = {
-        "task_data": task.sha256,
-        "model": model_fp,
-        "finetune": spec.model_dump(mode="json"),
-        "max_length": max_length,
-        "seed": seed,
-        "torch": torch.__version__.split("+")[0],
-        **device.cache_key(),
-    }
+    seed = expert_seed(spec, task.name)
+    payload = expert_key(spec, max_length, seed, task_data=task.sha256, model=model_fp)
     stage = Stage(cache_dir, "language/experts", task.name, payload, model_folder_fingerprint)
 
     def produce(folder: Path) -> dict[str, Any]:
