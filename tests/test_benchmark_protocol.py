@@ -196,5 +196,5 @@ def test_cuda_run_without_a_gpu_is_one_line(tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "no CUDA GPU" in lines[0] and "--device cpu" in lines[0], result.output
+    assert len(lines) == 1 and "no CUDA device" in lines[0] and "--device cpu" in lines[0], result.output
     assert not (tmp_path / "cache" / "tasks").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from mergekit_bmm.errors import ConfigError
@@ -70,6 +71,20 @@ def test_bad_search_configs_are_refused_with_one_line(family, tmp_path, fields, 
     assert len(lines) == 1 and lines[0].startswith("mergekit-bmm: error: "), lines
     assert message in lines[0]
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_cuda_without_a_gpu_is_one_line(family, tmp_path):
+    from click.testing import CliRunner
+
+    from mergekit_bmm.cli.search import main
+
+    args = [str(write(tmp_path, family)), str(tmp_path / "out"), "--device", "cuda"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0] and "--device cpu" in lines[0], lines
+    assert not (tmp_path / "out").exists()
 
 
 def test_defaults_and_relative_paths(family, tmp_path):

@@ -10,30 +10,15 @@ from __future__ import annotations
 
 import os
 
-from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.devices import resolve_device
 
 _current = "cpu"
-
-
-def resolve(requested: str) -> str:
-    """``cpu`` or ``cuda`` for a requested ``cpu``/``cuda``/``auto``; a CUDA request on a
-    machine without a GPU is one clear line."""
-    import torch
-
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "benchmark device cuda: torch sees no CUDA GPU on this machine "
-            f"(torch {torch.__version__}); run with --device cpu, or install a CUDA build of torch"
-        )
-    return requested
 
 
 def use(requested: str) -> str:
     """Make ``requested`` (resolved) the run's device; return it."""
     global _current
-    _current = resolve(requested)
+    _current = resolve_device(requested)
     if _current == "cuda":  # deterministic cuBLAS, as torch.use_deterministic_algorithms asks
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     return _current

@@ -6,7 +6,8 @@ included) and ``classification`` (fixed heads on an encoder, accuracy).
 
 from __future__ import annotations
 
-from mergekit_bmm.evaluation.base import Evaluator, resolve_device
+from mergekit_bmm.devices import resolve_device
+from mergekit_bmm.evaluation.base import Evaluator
 from mergekit_bmm.evaluation.config import (
     ClassificationEvaluatorConfig,
     EvaluatorConfig,

@@ -67,13 +67,6 @@ class Evaluator(Protocol):
     def evaluate_model(self, model: Any, tokenizer: Any) -> dict[str, float]: ...
 
 
-def resolve_device(device: str | None) -> str:
-    """``auto`` → ``cuda`` when available, else ``cpu``; anything else as given."""
-    if device in (None, "", "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

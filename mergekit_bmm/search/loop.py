@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mergekit_bmm.evaluation import make_evaluator, resolve_device
+from mergekit_bmm.devices import resolve_device
+from mergekit_bmm.evaluation import make_evaluator
 from mergekit_bmm.io.atomic import atomic_write_text
 from mergekit_bmm.recipes.parse import yaml_text
 from mergekit_bmm.search.anchor_score import cached_anchor_score, score_anchor

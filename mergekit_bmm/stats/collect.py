@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from mergekit_bmm.devices import resolve_device
 from mergekit_bmm.errors import ConfigError, StatisticsError
 from mergekit_bmm.io.fingerprint import model_fingerprint
 from mergekit_bmm.stats.config import StatsConfig, TaskConfig
@@ -56,20 +57,6 @@ class TaskPlan:
     @property
     def file(self) -> str:
         return f"{self.task.name}.safetensors"
-
-
-def resolve_device(device: str) -> torch.device:
-    """``cpu``, ``cuda[:N]`` or ``auto`` (CUDA when available)."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(
-            f"--device {device} was asked for but no CUDA device is available; use --device cpu"
-        )
-    try:
-        return torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"--device {device!r} is not a device; use cpu, cuda or auto") from None
 
 
 def task_settings(task: TaskConfig, config: StatsConfig) -> dict[str, Any]:
@@ -300,7 +287,7 @@ def collect_statistics(
     from mergekit_bmm import __version__
 
     out = Path(out)
-    torch_device = resolve_device(device)
+    torch_device = torch.device(resolve_device(device))
     plans = plan_tasks(config)
     existing = open_output(out, force)
     keep, todo, dropped = reconcile(out, existing, plans, force)
