@@ -126,31 +126,9 @@ def test_values(evaluator_block: dict, model_dir: Path) -> dict[str, list[float]
     return {task: score(task, range(spec.count)) for task, spec in evaluator.examples().items()}
 
 
-def _search_clock(records: list[dict]) -> list[tuple[float, dict]]:
-    """Each record with when it ended on the search's own clock, in finishing order.
-
-    ``time.elapsed`` restarts at zero when a search resumes, so every restart adds the time
-    the search had run before it: the clock counts the search's running time over all its
-    runs, not the pauses between them.
-    """
-    ordered = sorted(records, key=lambda r: (r.get("finished_at") or "", r["time"]["elapsed"]))
-    clock, offset, previous = [], 0.0, 0.0
-    for record in ordered:
-        elapsed = record["time"]["elapsed"]
-        if elapsed < previous:  # a resumed run: its clock started again
-            offset += previous
-        clock.append((offset + elapsed, record))
-        previous = elapsed
-    return clock
-
-
-def _end_seconds(records: list[dict]) -> float:
-    """When the last trial ended, on the search's clock over all its runs."""
-    return max((seconds for seconds, _ in _search_clock(records)), default=0.0)
-
-
 def measure(run: dict, values: dict[str, list[float]]) -> dict:
     from bench.merging.intervals import interval
+    from bench.merging.searches import search_clock, search_seconds
 
     records, summary = run["records"], run["summary"]
     evaluate = sum(r["time"].get("evaluate", 0.0) for r in records)
@@ -162,7 +140,7 @@ def measure(run: dict, values: dict[str, list[float]]) -> dict:
         "trials": len(records),
         "wall_seconds": round(run["wall_seconds"], 1),
         # the search's own clock: a finished arm reused from an earlier run keeps its time
-        "trials_per_hour": round(3600 * len(records) / _end_seconds(records), 1),
+        "trials_per_hour": round(3600 * len(records) / search_seconds(records), 1),
         "cpu_seconds": round(cpu, 1),
         "trials_per_cpu_hour": round(3600 * len(records) / cpu, 1) if cpu else None,
         "evaluate_seconds_per_trial": round(evaluate / max(len(records), 1), 2),
@@ -171,10 +149,10 @@ def measure(run: dict, values: dict[str, list[float]]) -> dict:
         "best_validation": summary["best_score"],
         "best_values": summary["best_values"],
         "test": [round(estimate, 4), round(low, 4), round(high, 4)],
-        "end_seconds": round(_end_seconds(records), 1),
+        "end_seconds": round(search_seconds(records), 1),
         "curve": [
             [round(seconds, 1), r["score"]]
-            for seconds, r in _search_clock(records)
+            for seconds, r in search_clock(records)
             if r.get("status") == "ok" and (r.get("fidelity") or {}).get("level", "full") == "full"
         ],
     }

@@ -193,13 +193,19 @@ def machine() -> dict[str, Any]:
 
 
 def _fill_clock_from_records(clock: StageClock, results: dict[str, Any]) -> None:
-    """Stages built before the clock existed get the time their own records kept."""
+    """Stages built before the clock existed, or cut short by a killed run before it wrote as it
+    went, get the time their own records kept."""
     timings = results.get("timings", {})
     clock.fill_from_records("heads", timings.get("heads_seconds"))
     clock.fill_from_records("experts", timings.get("experts_seconds"))
     clock.fill_from_records("scores", timings.get("scores_seconds_this_run"))
     task_arithmetic = (results.get("anchor_runtime") or {}).get("task_arithmetic") or {}
     clock.fill_from_records("task_arithmetic", task_arithmetic.get("stage_seconds_this_run"))
+    # the searches' own clocks, over all their runs: a floor for the stages that ran them
+    searches = (results.get("bmm_runtime") or {}).values()
+    clock.at_least("bmm", sum(cell.get("wall", 0.0) for cell in searches))
+    ablation = (results.get("ablation") or {}).get("rows") or []
+    clock.at_least("ablation", sum(row.get("wall", 0.0) for row in ablation if row["strategy"] != "bo"))
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -502,6 +508,7 @@ def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: s
             "trials": sum(o["trials"] for o in outcomes),
             "failed": sum(o["failed"] for o in outcomes),
             **{key: round(sum(o["times"][key] for o in outcomes), 1) for key in first["times"]},
+            "wall": round(sum(o["wall"] for o in outcomes), 1),
         }
         spread = [seed["avg"] for seed in seeds]
         say(
@@ -526,6 +533,7 @@ def _ablation(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> No
                 "test": round(mean([outcome["scores"][(t, "test")] for t in art.tasks]), 4),
                 "best_values": outcome["best_values"],
                 "times": outcome["times"],
+                "wall": outcome["wall"],
                 "curve": outcome["curve"],
             }
         )

@@ -386,7 +386,8 @@ def runtime_table(results: dict[str, Any]) -> str:
         "merge / trial",
         "GP (total)",
         "validation / trial",
-        "search total",
+        "trial time (all workers)",
+        "wall (search clock)",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell, times in runtime.items():
@@ -396,9 +397,10 @@ def runtime_table(results: dict[str, Any]) -> str:
         gram = f"{stats}" if setting == "data_assisted" and stats is not None else "– (in merge)"
         anchor_merge = (anchors.get(anchor) or {}).get("merge_seconds", "–")
         total = times["merge"] + times["evaluate"] + times["surrogate"]
+        wall = f"{times['wall'] / 60:.1f} min" if times.get("wall") else "–"
         lines.append(
             f"| {anchor} / {setting} | {gram} | {anchor_merge} | {times['trials']} | {merge:.1f} | "
-            f"{times['surrogate']:.1f} | {times['evaluate'] / k:.1f} | {total:.0f} |"
+            f"{times['surrogate']:.1f} | {times['evaluate'] / k:.1f} | {total:.0f} | {wall} |"
         )
     note = (
         "\n\n`merge / trial` is mergekit's whole merge of a trial: loading the inputs and the anchor, the "
@@ -408,7 +410,9 @@ def runtime_table(results: dict[str, Any]) -> str:
         f"took {ta_merge} s. `Gram (stats, once)` is `mergekit-bmm-stats` over all tasks, shared by every "
         "data-assisted search and RegMean; data-free Grams `U_tᵀU_t` are formed inside the merge. "
         "`validation` is the classification evaluator on the validation subsets; `GP` is the surrogate "
-        "(scikit-optimize) over the whole search. Wall-clock seconds on a 2-core CPU shared with other work."
+        "(scikit-optimize) over the whole search. Seconds on a 2-core CPU shared with other work; "
+        "`trial time` adds up every trial's merge, validation and GP, over all workers; `wall` is the "
+        "search's own clock over all its runs (a search that resumed counts only the time it ran)."
     )
     return "\n".join(lines) + note
 

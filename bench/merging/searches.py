@@ -154,6 +154,29 @@ def run_search(
     return read_search(folder)
 
 
+def search_clock(records: list[dict]) -> list[tuple[float, dict]]:
+    """Each record with when it ended on the search's own clock, in finishing order.
+
+    ``time.elapsed`` restarts at zero when a search resumes, so every restart adds the time
+    the search had run before it: the clock counts the search's running time over all its
+    runs, not the pauses between them.
+    """
+    ordered = sorted(records, key=lambda r: (r.get("finished_at") or "", r["time"]["elapsed"]))
+    clock, offset, previous = [], 0.0, 0.0
+    for record in ordered:
+        elapsed = record["time"]["elapsed"]
+        if elapsed < previous:  # a resumed run: its clock started again
+            offset += previous
+        clock.append((offset + elapsed, record))
+        previous = elapsed
+    return clock
+
+
+def search_seconds(records: list[dict]) -> float:
+    """How long the search has run: when its last trial ended, on its clock over all its runs."""
+    return max((seconds for seconds, _ in search_clock(records)), default=0.0)
+
+
 def read_search(folder: Path) -> dict[str, Any]:
     summary = read_json(folder / "summary.json")
     lines = (folder / "trials.jsonl").read_text(encoding="utf-8").splitlines()
@@ -168,6 +191,7 @@ def read_search(folder: Path) -> dict[str, Any]:
         "trials": len(trials),
         "failed": sum(1 for t in trials if t.get("status") != "ok"),
         "times": {key: round(value, 1) for key, value in times.items()},
+        "wall": round(search_seconds(trials), 1),
         "best_values": summary.get("best_values"),
         "best_validation": summary.get("best_score"),
         "best_per_task": summary.get("best_per_task"),
