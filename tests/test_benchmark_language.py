@@ -88,9 +88,11 @@ def test_language_table():
             "pretrained": scores,
             "indiv": scores,
             "task_arithmetic": {"weight": 0.5, "validation_sweep": {"0.5": 0.75}, "scores": scores},
+            "intervals": {"bmm over task_arithmetic - task_arithmetic": {"delta": 0.021, "low": -0.004, "high": 0.05}},
         }
     )
     assert "| pretrained (lm) | 50.0 / 25.0 | 100.0 / 75.0 | 50.0 |" in text
+    assert "| bmm over task_arithmetic - task_arithmetic | +2.1 | [-0.4, +5.0] |" in text
     assert "task_arithmetic (weight 0.5)" in text and "0.5: 75.0" in text
 
 
@@ -111,3 +113,31 @@ def test_language_table_lists_every_anchor_and_its_bmm_row():
     )
     assert "| ties (lambda 0.6) | 50.0 / 25.0 | 25.0 |" in text
     assert "| ties + BMM (data-free, K=4; block0.scale=1.2) | 60.0 / 50.0 | 50.0 |" in text
+
+
+def test_test_scores_keep_each_document_for_paired_intervals(mc_task, tiny_llama, tmp_path, monkeypatch):
+    from bench.merging.cache import ScoreCache
+    from bench.merging.intervals import paired_difference
+    from bench.merging.language.lm_eval_runner import lm_score_key, score_lm, test_documents
+    from bench.merging.language.mc_tasks import write_lm_eval_yamls
+
+    monkeypatch.chdir(tmp_path)
+    folder = write_lm_eval_yamls([mc_task], tmp_path / "yamls")
+    cache = ScoreCache(tmp_path / "cache")
+    jobs = [(mc_task, "validation"), (mc_task, "test")]
+    models = {"base": tiny_llama.base, "expert": tiny_llama.experts[0]}
+    for name, path in models.items():
+        scores, seconds = score_lm(name, path, jobs, folder, cache, batch_size=4, limit=None)
+        documents = test_documents(name, [mc_task], cache, None)["mood_mc"]
+        assert len(documents) == 10 and set(documents) <= {0.0, 1.0}
+        assert scores[("mood_mc", "test")] == pytest.approx(sum(documents) / 10)
+    delta, low, high = paired_difference(*(test_documents(n, [mc_task], cache, None) for n in models))
+    assert low <= delta <= high
+
+    # a test score cached before documents were kept is scored again; validation is not
+    key = lm_score_key("base", mc_task, "test", None)
+    cache.put(key, {"accuracy": 0.5, "n": 10, "seconds": 1.0})
+    _, seconds = score_lm("base", models["base"], jobs, folder, cache, batch_size=4, limit=None)
+    assert seconds > 0 and len(cache.get(key)["documents"]) == 10
+    _, seconds = score_lm("base", models["base"], jobs, folder, cache, batch_size=4, limit=None)
+    assert seconds == 0.0

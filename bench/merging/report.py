@@ -609,6 +609,16 @@ def language_markdown(language: dict[str, Any]) -> str:
         text += "\n\nTask Arithmetic weight sweep (validation avg): " + ", ".join(
             f"{w}: {100 * v:.1f}" for w, v in sweep.items()
         )
+    if language.get("intervals"):
+        rows = ["| comparison (test) | Δ (points) | 95 % interval |", "|---|---|---|"]
+        for name, d in language["intervals"].items():
+            rows.append(
+                f"| {name} | {100 * d['delta']:+.1f} | [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] |"
+            )
+        text += (
+            "\n\nPaired bootstrap over the test documents (the same documents for both models; "
+            "experts: each on its own task).\n\n" + "\n".join(rows)
+        )
     return text
 
 

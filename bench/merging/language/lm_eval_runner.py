@@ -20,8 +20,9 @@ def lm_eval_accuracy(
     include_path: Path,
     batch_size: int = 16,
     limit: int | None = None,
-) -> dict[str, float]:
-    """``{lm-eval task name: acc}`` of a local HF causal LM (one model load for all tasks)."""
+) -> dict[str, tuple[float, list[float]]]:
+    """``{lm-eval task name: (acc, each document's acc in document order)}`` of a local HF causal
+    LM (one model load for all tasks); the documents' scores give the paired intervals."""
     for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(variable, "1")
     import lm_eval
@@ -35,10 +36,14 @@ def lm_eval_accuracy(
         batch_size=batch_size,
         limit=limit,
         task_manager=TaskManager(include_path=str(include_path)),
-        log_samples=False,
+        log_samples=True,
         verbosity="WARNING",
     )
-    return {name: float(output["results"][name]["acc,none"]) for name in task_names}
+    out = {}
+    for name in task_names:
+        documents = sorted(output["samples"][name], key=lambda sample: sample["doc_id"])
+        out[name] = (float(output["results"][name]["acc,none"]), [float(d["acc"]) for d in documents])
+    return out
 
 
 def lm_score_key(model_id: str, task: MCTask, split: str, limit: int | None) -> dict[str, Any]:
@@ -61,13 +66,17 @@ def score_lm(
     batch_size: int,
     limit: int | None,
 ) -> tuple[dict[tuple[str, str], float], float]:
-    """Accuracies per ``(task, split)`` (cached) and the seconds lm-eval took this time."""
+    """Accuracies per ``(task, split)`` (cached) and the seconds lm-eval took this time.
+
+    A test score is kept with each document's score (:func:`test_documents`); a test record
+    cached without them is scored again.
+    """
     keys = {(task.name, split): lm_score_key(model_id, task, split, limit) for task, split in jobs}
     scores: dict[tuple[str, str], float] = {}
     missing: list[tuple[MCTask, str]] = []
     for task, split in jobs:
         record = cache.get(keys[(task.name, split)])
-        if record is None:
+        if record is None or (split == "test" and "documents" not in record):
             missing.append((task, split))
         else:
             scores[(task.name, split)] = record["accuracy"]
@@ -78,10 +87,18 @@ def score_lm(
         accuracies = lm_eval_accuracy(model_dir, names, include_path, batch_size, limit)
         seconds = time.time() - started
         for (task, split), name in zip(missing, names):
-            n = min(limit, task.counts[split]) if limit else task.counts[split]
-            cache.put(keys[(task.name, split)], {"accuracy": accuracies[name], "n": n, "seconds": seconds})
-            scores[(task.name, split)] = accuracies[name]
+            accuracy, documents = accuracies[name]
+            record = {"accuracy": accuracy, "n": len(documents), "seconds": seconds, "documents": documents}
+            cache.put(keys[(task.name, split)], record)
+            scores[(task.name, split)] = accuracy
     return scores, seconds
+
+
+def test_documents(
+    model_id: str, tasks: Sequence[MCTask], cache: ScoreCache, limit: int | None
+) -> dict[str, list[float]]:
+    """Per task, each test document's score (1/0) of a model :func:`score_lm` scored on test."""
+    return {task.name: cache.get(lm_score_key(model_id, task, "test", limit))["documents"] for task in tasks}
 
 
 def summarize(scores: dict[tuple[str, str], float]) -> dict[str, Any]:

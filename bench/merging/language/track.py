@@ -17,8 +17,9 @@ from tqdm.auto import tqdm
 from bench.merging.anchor_tuning import materialise, tune_anchor
 from bench.merging.cache import ScoreCache, write_json
 from bench.merging.config import RunConfig
+from bench.merging.intervals import paired_difference
 from bench.merging.language.convert import prepare_language_model
-from bench.merging.language.lm_eval_runner import lm_score_key, score_lm, summarize
+from bench.merging.language.lm_eval_runner import lm_score_key, score_lm, summarize, test_documents
 from bench.merging.language.lm_finetune import build_lm_expert
 from bench.merging.language.mc_tasks import build_mc_task, write_lm_eval_yamls
 from bench.merging.merging import recipe_key, run_mergekit, task_arithmetic_recipe
@@ -61,11 +62,14 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
     out["pretrained"] = summarize(pretrained)
 
     experts, out["experts"], out["indiv"] = {}, {}, {}
+    models = {"pretrained": model_fp}  # model ids of what the intervals compare
+    expert_ids = {}
     for task in tqdm(tasks, desc="LM experts", leave=False):
         path, record, cached = build_lm_expert(
             task, model_dir, model_fp, spec.finetune, spec.max_length, cache_dir
         )
         experts[task.name] = path
+        expert_ids[task.name] = record["fingerprint"]
         info = record["info"]
         out["experts"][task.name] = {
             k: info[k] for k in ("steps", "epochs", "train_seconds", "loss_curve", "bytes")
@@ -94,6 +98,7 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
     jobs = [(t, s) for t in tasks for s in ("validation", "test")]
     scores = _merge_and_score(recipe, jobs, include, cache, batch, limit, work, timings)
     out["task_arithmetic"] = {"weight": best, "validation_sweep": sweep, "scores": summarize(scores)}
+    models["task_arithmetic"] = recipe_key(recipe)
     if work.exists():
         shutil.rmtree(work)
     expert_dirs = [experts[t.name] for t in tasks]
@@ -106,11 +111,17 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
         out["bmm"] = _bmm_over_anchor(
             config, cache_dir, model_dir, "task_arithmetic", anchor_dir, expert_dirs, tasks, include, timings
         )
+        models["bmm over task_arithmetic"] = out["bmm"]["model_id"]
     out["anchors"] = {}
     for anchor_spec in spec.anchors:
-        out["anchors"][anchor_spec.name] = _tuned_anchor(
+        anchor = _tuned_anchor(
             config, cache_dir, anchor_spec, model_dir, expert_dirs, tasks, include, timings
         )
+        out["anchors"][anchor_spec.name] = anchor
+        models[anchor_spec.name] = anchor["model_id"]
+        if "bmm" in anchor:
+            models[f"bmm over {anchor_spec.name}"] = anchor["bmm"]["model_id"]
+    out["intervals"] = _intervals(models, expert_ids, tasks, cache, limit)
     out["timings"] = timings
     write_json(
         cache_dir / "runs" / config.name / "language.json",
@@ -165,6 +176,7 @@ def _tuned_anchor(
     say(f"LM {anchor_spec.name:<14s} {setting} validation avg {tuned['validation']:.4f}")
     out = {
         "method": anchor_spec.method,
+        "model_id": tuned["key"],
         "parameter": tuned["parameter"],
         "value": tuned["value"],
         "validation_sweep": tuned["sweep"],
@@ -213,13 +225,15 @@ def _bmm_over_anchor(
 
     best = yaml.safe_load(outcome["best_yml"].read_text(encoding="utf-8"))
     jobs = [(t, s) for t in tasks for s in ("validation", "test")]
-    scores, _ = score_lm(recipe_key(best), outcome["best_dir"], jobs, include, cache, batch, limit)
+    model_id = recipe_key(best)
+    scores, _ = score_lm(model_id, outcome["best_dir"], jobs, include, cache, batch, limit)
     prefix = "bmm_search" if anchor == "task_arithmetic" else f"bmm_{anchor}_search"
     timings[f"{prefix}_merge_seconds"] = outcome["times"]["merge"]
     timings[f"{prefix}_evaluate_seconds"] = outcome["times"]["evaluate"]
     timings[f"{prefix}_surrogate_seconds"] = outcome["times"]["surrogate"]
     return {
         "anchor": anchor,
+        "model_id": model_id,
         "setting": "data_free",
         "budget": outcome["trials"],
         "best_values": outcome["best_values"],
@@ -227,6 +241,24 @@ def _bmm_over_anchor(
         "scores": summarize(scores),
         "search": str(folder),
     }
+
+
+def _intervals(models: dict[str, str], expert_ids: dict[str, str], tasks, cache, limit) -> dict[str, Any]:
+    """Paired bootstrap 95 % intervals over test documents (``bench.merging.intervals``): each
+    BMM against its anchor, and the range (experts, each on its own task, against the pretrained
+    model and Task Arithmetic)."""
+    documents = {name: test_documents(model_id, tasks, cache, limit) for name, model_id in models.items()}
+    documents["experts"] = {
+        t.name: test_documents(expert_ids[t.name], [t], cache, limit)[t.name] for t in tasks
+    }
+    pairs = [("experts", "pretrained"), ("experts", "task_arithmetic")]
+    pairs += [(name, name.removeprefix("bmm over ")) for name in models if name.startswith("bmm over ")]
+    out = {}
+    for first, second in pairs:
+        if first in documents and second in documents:
+            delta, low, high = (round(v, 4) for v in paired_difference(documents[first], documents[second]))
+            out[f"{first} - {second}"] = {"delta": delta, "low": low, "high": high}
+    return out
 
 
 def _merge_and_score(recipe, jobs, include, cache, batch, limit, work: Path, timings) -> dict:
