@@ -88,7 +88,9 @@ def test_language_table():
             "pretrained": scores,
             "indiv": scores,
             "task_arithmetic": {"weight": 0.5, "validation_sweep": {"0.5": 0.75}, "scores": scores},
-            "intervals": {"bmm over task_arithmetic - task_arithmetic": {"delta": 0.021, "low": -0.004, "high": 0.05}},
+            "intervals": {
+                "bmm over task_arithmetic - task_arithmetic": {"delta": 0.021, "low": -0.004, "high": 0.05}
+            },
         }
     )
     assert "| pretrained (lm) | 50.0 / 25.0 | 100.0 / 75.0 | 50.0 |" in text
