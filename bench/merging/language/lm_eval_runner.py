@@ -57,6 +57,12 @@ def lm_score_key(model_id: str, task: MCTask, split: str, limit: int | None) -> 
     }
 
 
+def needs_scoring(record: dict[str, Any] | None, split: str) -> bool:
+    """Whether a cached score must be (re)computed: absent, or a test score kept without each
+    document's score (the paired intervals need them)."""
+    return record is None or (split == "test" and "documents" not in record)
+
+
 def score_lm(
     model_id: str,
     model_dir: Path,
@@ -76,7 +82,7 @@ def score_lm(
     missing: list[tuple[MCTask, str]] = []
     for task, split in jobs:
         record = cache.get(keys[(task.name, split)])
-        if record is None or (split == "test" and "documents" not in record):
+        if needs_scoring(record, split):
             missing.append((task, split))
         else:
             scores[(task.name, split)] = record["accuracy"]

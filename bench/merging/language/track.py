@@ -19,7 +19,13 @@ from bench.merging.cache import ScoreCache, write_json
 from bench.merging.config import RunConfig
 from bench.merging.intervals import paired_difference
 from bench.merging.language.convert import prepare_language_model
-from bench.merging.language.lm_eval_runner import lm_score_key, score_lm, summarize, test_documents
+from bench.merging.language.lm_eval_runner import (
+    lm_score_key,
+    needs_scoring,
+    score_lm,
+    summarize,
+    test_documents,
+)
 from bench.merging.language.lm_finetune import build_lm_expert
 from bench.merging.language.mc_tasks import build_mc_task, write_lm_eval_yamls
 from bench.merging.merging import recipe_key, run_mergekit, task_arithmetic_recipe
@@ -264,7 +270,7 @@ def _intervals(models: dict[str, str], expert_ids: dict[str, str], tasks, cache,
 def _merge_and_score(recipe, jobs, include, cache, batch, limit, work: Path, timings) -> dict:
     key = recipe_key(recipe)
     out = work / key.split(":")[1]
-    missing = [job for job in jobs if cache.get(lm_score_key(key, *job, limit)) is None]
+    missing = [job for job in jobs if needs_scoring(cache.get(lm_score_key(key, *job, limit)), job[1])]
     if missing and not out.exists():
         started = time.time()
         run_mergekit(recipe, out)
