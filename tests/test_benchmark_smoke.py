@@ -320,6 +320,12 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
         assert cell["delta_low"] <= cell["delta"] <= cell["delta_high"]
         assert cell["best_anchor"] in ("task_arithmetic", "tsv") and "delta_best_anchor" in cell
     assert results["verdict"]["data_free"]["anchors"] == 1
+    for setting in ("data_free", "data_assisted"):  # how far BMM went from its anchor, per group
+        moved = cells[("task_arithmetic", setting)]["moved"]
+        assert set(moved) == {"attn_in", "attn_out", "mlp_in", "mlp_out"}
+        assert all(value >= 0 for value in moved.values())
+    assert set(results["alignment"]) == {"mood", "topic"}  # cos_F of U_tᵀU_t against each Gram
+    assert all(0 <= task["mean"] <= 1 for task in results["alignment"].values())
     assert set(results["range"]) >= {"experts_minus_pretrained", "experts_minus_task_arithmetic"}
     estimate, low, high = cells[("task_arithmetic", "anchor")]["ci"]
     assert abs(estimate - cells[("task_arithmetic", "anchor")]["avg"]) < 1e-3 and low <= estimate <= high
@@ -330,6 +336,7 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
     assert [r["strategy"] for r in results["ablation"]["rows"]] == ["grid", "bo"]
     text = (tmp_path / "results" / "smoke" / "results.md").read_text()
     assert "Table 1 in kind" in text and "Table 3 in kind" in text and "Table 5 in kind" in text
+    assert "Why BMM moves or keeps its anchor" in text and "mean cos_F" in text
     assert (tmp_path / "results" / "smoke" / "per_anchor.png").stat().st_size > 0
 
     again = run_cli(phase2, tmp_path)  # every cell is cached: nothing is merged or searched again

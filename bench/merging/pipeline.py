@@ -24,6 +24,7 @@ from bench.merging import device, report
 from bench.merging.anchor_tuning import materialise, tune_anchor
 from bench.merging.cache import ScoreCache, read_json, stable_key, write_json
 from bench.merging.config import AnchorSpec, RunConfig
+from bench.merging.diagnostics import expert_alignment, moved_from_anchor
 from bench.merging.encoder import load_encoder, prepare_encoder
 from bench.merging.finetune import build_expert
 from bench.merging.heads import build_head
@@ -478,6 +479,11 @@ def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: s
     """BMM over each anchor in one setting, λ/s from ``mergekit-bmm-search``, one search per seed."""
     cells = [(anchor, setting) for anchor in config.search.anchors]
     runtime = results.setdefault("bmm_runtime", {})
+    if setting == "data_assisted":
+        _stats(config, cache_dir, art, {"timings": {}})
+    if art.stats is not None and "alignment" not in results:
+        experts = [art.experts[task] for task in art.tasks]
+        results["alignment"] = expert_alignment(art.stats, art.encoder, experts, cache_dir)
     for anchor, setting in tqdm(cells, desc="bmm searches", leave=False):
         seeds = config.search.anchor_seeds.get(anchor, config.search.seeds)
         outcomes = [_one_search(config, cache_dir, art, anchor, setting, "bo", seed) for seed in seeds]
@@ -504,6 +510,8 @@ def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: s
         hyper = {"best_values": first["best_values"], "search_validation": first["best_validation"]}
         row = report.add_row(results, anchor, setting, scores, hyper, budget=first["trials"])
         row["seeds"] = seeds
+        if anchor != "pretrained" and Path(first["best_dir"]).is_dir():
+            row["moved"] = moved_from_anchor(Path(first["best_dir"]), art.anchors[anchor], art.encoder)
         runtime[f"{anchor}/{setting}"] = {
             "trials": sum(o["trials"] for o in outcomes),
             "failed": sum(o["failed"] for o in outcomes),

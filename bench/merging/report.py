@@ -315,6 +315,50 @@ def summary_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + f"\n\n{tally}. ({best_note}.)"
 
 
+def diagnostics_markdown(results: dict[str, Any]) -> str:
+    """How far each BMM merge went from its anchor, and how well U_tᵀU_t stands in for each
+    expert's activation Gram (bench/merging/diagnostics.py)."""
+    moved_rows = [r for r in results["rows"] if r.get("moved")]
+    parts = []
+    if moved_rows:
+        groups = list(dict.fromkeys(g for r in moved_rows for g in r["moved"]))
+        header = ["anchor", "mode", "validation: anchor → BMM", *groups]
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for row in moved_rows:
+            anchor = find_row(results, row["anchor"])
+            before = (
+                "–"
+                if not anchor or anchor["validation_avg"] is None
+                else f"{100 * anchor['validation_avg']:.1f}"
+            )
+            after = "–" if row["validation_avg"] is None else f"{100 * row['validation_avg']:.1f}"
+            cells = [f"{row['moved'][g]:.2f}" if g in row["moved"] else "–" for g in groups]
+            label = ANCHOR_LABELS.get(row["anchor"], row["anchor"])
+            lines.append(f"| {label} | {row['setting']} | {before} → {after} | " + " | ".join(cells) + " |")
+        parts.append(
+            "How far each BMM merge went from its anchor, per module group: "
+            "‖W_BMM − W_anchor‖ / ‖W_anchor − W_pre‖ over the group's body weights (0: the search kept "
+            "the anchor; BMM can only differ from an anchor it moved away from).\n\n" + "\n".join(lines)
+        )
+    alignment = results.get("alignment")
+    if alignment:
+        groups = list(dict.fromkeys(g for task in alignment.values() for g in task["groups"]))
+        header = ["expert", "mean cos_F", "min", *groups]
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for task, figures in alignment.items():
+            cells = [f"{figures['groups'][g]:.2f}" if g in figures["groups"] else "–" for g in groups]
+            lines.append(
+                f"| {task} | {figures['mean']:.2f} | {figures['min']:.2f} | " + " | ".join(cells) + " |"
+            )
+        parts.append(
+            "How well each expert's U_tᵀU_t stands in for its activation Gram (Theorem 1, "
+            "`mergekit-bmm-align`): cos_F per module, mean and minimum over modules and mean per group; "
+            "data-free BMM relies on clearly positive values (the paper measures > 0.26).\n\n"
+            + "\n".join(lines)
+        )
+    return "\n\n".join(parts)
+
+
 def plot_expert_curves(results: dict[str, Any], path: Path) -> Path | None:
     """Each expert's held-out accuracy while it trains, the kept step marked: did it plateau?"""
     experts = results.get("experts", {})
@@ -695,6 +739,9 @@ def write(results: dict[str, Any], folder: Path) -> None:
             "",
             sweeps_markdown(results),
         ]
+    diagnostics = diagnostics_markdown(results)
+    if diagnostics:
+        text += ["## Why BMM moves or keeps its anchor", "", diagnostics, ""]
     if any(r["setting"] != "anchor" for r in results["rows"]):
         if results.get("ablation"):
             text += ["## Search strategy ablation (Table 3 in kind)", "", ablation_table(results), ""]

@@ -1,0 +1,74 @@
+"""Why BMM moves away from its anchor, or keeps it: the evidence behind a small Δ.
+
+A BMM search over a strong anchor can end near the anchor itself (large λ, s near 1), and then
+its test score cannot differ from the anchor's. Two measurements say whether that happened and
+why:
+
+- **moved**: per module group, ``‖W_bmm − W_anchor‖ / ‖W_anchor − W_pre‖`` over the group's
+  body weights (the distance BMM went from its anchor, against the anchor's own task vector);
+  0 means the search kept the anchor.
+- **alignment**: per expert, ``cos_F(G_t, U_tᵀU_t)`` between its activation Gram and the Gram
+  of its task vector (Theorem 1, ``mergekit-bmm-align``): data-free BMM stands on it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from bench.merging.cache import read_json, stable_key, write_json
+from mergekit_bmm.core.module_map import classify
+from mergekit_bmm.io.checkpoint import iter_tensors, load_state_dict
+from mergekit_bmm.io.fingerprint import model_fingerprint
+from mergekit_bmm.io.model_folder import model_type_of
+
+
+def moved_from_anchor(merged: Path, anchor: Path, base: Path) -> dict[str, float]:
+    """Per module group, how far ``merged`` is from ``anchor``, relative to the anchor's task vector."""
+    model_type = model_type_of(base)
+    pre = load_state_dict(base)
+    theirs = load_state_dict(anchor)
+    moved: dict[str, float] = {}
+    own: dict[str, float] = {}
+    for name, weight in iter_tensors(merged):
+        info = classify(name, model_type)
+        if info is None or weight.ndim != 2 or name not in pre or name not in theirs:
+            continue
+        w_anchor = theirs[name].double()
+        group = info.group.value
+        moved[group] = moved.get(group, 0.0) + float((weight.double() - w_anchor).square().sum())
+        own[group] = own.get(group, 0.0) + float((w_anchor - pre[name].double()).square().sum())
+    return {group: round(math.sqrt(moved[group] / own[group]), 4) for group in moved if own.get(group)}
+
+
+def expert_alignment(stats: Path, base: Path, experts: list[Path], cache_dir: Path) -> dict[str, Any]:
+    """Per expert (by its statistics' task name), mean ``cos_F`` over modules and per group; cached."""
+    from mergekit_bmm.stats.alignment import alignment_rows, summarize
+
+    key = stable_key(
+        {
+            "stats": str(stats),
+            "base": model_fingerprint(base),
+            "experts": [model_fingerprint(e) for e in experts],
+        }
+    )
+    path = cache_dir / "alignment" / f"{key}.json"
+    if path.is_file():
+        return read_json(path)
+    rows = alignment_rows(stats, str(base), [str(expert) for expert in experts], progress=False)
+    out = {
+        summary.task: {
+            "mean": round(summary.mean, 4),
+            "min": round(summary.min, 4),
+            "groups": {group: round(value, 4) for group, value in summary.by_group.items()},
+        }
+        for summary in summarize(rows)
+    }
+    write_json(path, out)
+    return out
+
+
+def mean_alignment(alignment: dict[str, Any]) -> float | None:
+    values = [task["mean"] for task in alignment.values() if not math.isnan(task["mean"])]
+    return sum(values) / len(values) if values else None

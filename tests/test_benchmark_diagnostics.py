@@ -1,0 +1,44 @@
+"""How far a merge went from its anchor: the figure the report uses to explain a small Δ."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import BertConfig, BertModel
+
+from bench.merging.diagnostics import moved_from_anchor
+
+
+def _save(model: BertModel, folder) -> None:
+    model.save_pretrained(str(folder))
+
+
+@pytest.fixture()
+def base_and_anchor(tmp_path):
+    config = BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32
+    )
+    torch.manual_seed(0)
+    base = BertModel(config)
+    _save(base, tmp_path / "base")
+    anchor = BertModel(config)
+    anchor.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        for name, weight in anchor.named_parameters():
+            if "encoder.layer" in name and weight.ndim == 2:
+                weight.add_(0.01 * torch.randn_like(weight))
+    _save(anchor, tmp_path / "anchor")
+    return config, base, anchor, tmp_path
+
+
+def test_the_anchor_itself_has_not_moved_and_twice_its_task_vector_moved_by_one(base_and_anchor):
+    config, base, anchor, root = base_and_anchor
+    kept = moved_from_anchor(root / "anchor", root / "anchor", root / "base")
+    assert set(kept) == {"attn_in", "attn_out", "mlp_in", "mlp_out"}
+    assert all(value == 0 for value in kept.values())
+    doubled = BertModel(config)
+    pre, theirs = base.state_dict(), anchor.state_dict()
+    doubled.load_state_dict({name: pre[name] + 2 * (theirs[name] - pre[name]) for name in pre})
+    _save(doubled, root / "doubled")
+    moved = moved_from_anchor(root / "doubled", root / "anchor", root / "base")
+    assert moved == pytest.approx(dict.fromkeys(kept, 1.0), abs=1e-3)
