@@ -121,6 +121,26 @@ def test_bo_ends_closer_to_the_known_optimum_than_random_search(family, target, 
     print("best score (minus relative weight distance to the optimum):", best)
 
 
+def test_the_first_trial_starts_at_the_anchor(family, tmp_path):
+    """BO and random search first try the box's point nearest the anchor (every λ at the top of
+    its range, s = 1); not over the pretrained anchor, nor with ``anchor_start: false``."""
+    evaluator = python_evaluator("per_task_scores")
+    nearest = {f"block0.{group}": 10.0 for group in ("attn_in", "attn_out", "mlp_in", "mlp_out")}
+    nearest["block0.scale"] = 1.0
+    for strategy in ("bo", "random"):
+        config = make_config(family, evaluator, strategy=strategy, budget=2, n_initial=2)
+        result = run_search(config, tmp_path / strategy, quiet(skip_best=True, plots=False))
+        assert result.records[0].values == nearest and result.records[1].values != nearest
+
+    off = make_config(family, evaluator, budget=1, n_initial=1, anchor_start=False)
+    assert run_search(off, tmp_path / "off", quiet(skip_best=True, plots=False)).records[0].values != nearest
+    pretrained = config_dict(family, evaluator, budget=1, n_initial=1)
+    pretrained["recipe"]["parameters"]["anchor_method"] = "pretrained"
+    config = parse_search_config(pretrained, TESTS)
+    result = run_search(config, tmp_path / "pretrained", quiet(skip_best=True, plots=False))
+    assert result.records[0].values != nearest
+
+
 def read_records(out: Path):
     records, _ = read_trials(out / "trials.jsonl")
     return records
@@ -364,13 +384,13 @@ def test_out_folder_of_another_experiment_is_protected(family, tmp_path):
     from mergekit_bmm.search.errors import OutputFolderError
 
     evaluator = python_evaluator("per_task_scores")
-    first = make_config(family, evaluator, strategy="random", budget=1)
+    first = make_config(family, evaluator, strategy="random", budget=1, anchor_start=False)  # seeds differ
     out = tmp_path / "out"
     run_search(first, out, quiet(skip_best=True, plots=False))
     again = run_search(first, out, quiet(skip_best=True, plots=False))  # same command: resumes, nothing to do
     assert again.replayed == 1 and len(read_records(out)) == 1
 
-    other = make_config(family, evaluator, strategy="random", budget=1, seed=5)
+    other = make_config(family, evaluator, strategy="random", budget=1, seed=5, anchor_start=False)
     with pytest.raises(OutputFolderError, match="holds a different experiment"):
         run_search(other, out, quiet(skip_best=True, plots=False))
     assert len(read_records(out)) == 1  # untouched

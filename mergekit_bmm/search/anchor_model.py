@@ -39,6 +39,13 @@ def _forwarded(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+def anchors_at_pretrained(template: Mapping[str, Any]) -> bool:
+    """Whether BMM's anchor is the base model itself (``U0 = 0``)."""
+    if any((item.get("parameters") or {}).get("anchor") for item in template.get("models") or []):
+        return False
+    return ((template.get("parameters") or {}).get("anchor_method") or DEFAULT_ANCHOR) == PRETRAINED_ANCHOR
+
+
 def anchor_model(template: Mapping[str, Any]) -> AnchorModel:
     """Where the anchor of a ``models:``-style bmm recipe comes from."""
     parameters = dict(template.get("parameters") or {})
@@ -46,7 +53,7 @@ def anchor_model(template: Mapping[str, Any]) -> AnchorModel:
         if (item.get("parameters") or {}).get("anchor"):
             return AnchorModel(f"input {item['model']}, anchor: true", model_dir=Path(str(item["model"])))
     method = parameters.get("anchor_method") or DEFAULT_ANCHOR
-    if method == PRETRAINED_ANCHOR:
+    if anchors_at_pretrained(template):
         return AnchorModel(
             f"pretrained, {template['base_model']}", model_dir=Path(str(template["base_model"]))
         )

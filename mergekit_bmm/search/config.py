@@ -96,6 +96,7 @@ class SearchConfig(BaseModel):
     strategy: Literal["bo", "random", "grid"] = "bo"
     grid_scale: float = 1.0
     widen_box: bool = True
+    anchor_start: bool = True  # the first trial: the box's point nearest the anchor (docs/search.md)
     trials: Literal["auto", "memory", "disk"] = "auto"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     fidelity: FidelityConfig = Field(default_factory=FidelityConfig)
@@ -179,6 +180,7 @@ class SearchConfig(BaseModel):
         data.pop("parallel")  # the log records each batch, so a search resumes with any number of workers
         data.pop("fidelity")  # how much of the validation set a trial used is in its record
         data.pop("trial_timeout")  # a trial that timed out is recorded failed, with the reason
+        data.pop("anchor_start")  # the log holds each trial's values: a search resumes either way
         if self.strategy != "grid":
             data.pop("budget")
         return data

@@ -19,6 +19,7 @@ from mergekit_bmm.devices import resolve_device
 from mergekit_bmm.evaluation import make_evaluator
 from mergekit_bmm.io.atomic import atomic_write_text
 from mergekit_bmm.recipes.parse import yaml_text
+from mergekit_bmm.search.anchor_model import anchors_at_pretrained
 from mergekit_bmm.search.anchor_score import cached_anchor_score, score_anchor
 from mergekit_bmm.search.best import BestModel
 from mergekit_bmm.search.box import BoxChange, edge_changes
@@ -123,13 +124,21 @@ class SearchRun:
     def run(self) -> SearchResult:
         cache_dir = (self.options.cache_dir or self.folder.cache_dir) if self.options.use_cache else None
         self.experiment = prepare_experiment(self.config, cache_dir)
-        self.proposer = make_proposer(self.experiment.space, self.config)
+        self.proposer = make_proposer(self.experiment.space, self.config, self._start())
         self.evaluator = make_evaluator(self.config.evaluator, self.device)
         resumed = self._open_folder(self.experiment)
         try:
             return self._run_locked(resumed)
         finally:
             self.folder.unlock()
+
+    def _start(self) -> dict[str, float] | None:
+        """The anchor start (``anchor_start``): the first trial is the box's point nearest the
+        anchor, so the search knows from the outset what it must beat. Not for the pretrained
+        anchor, whose nearest point is the base model."""
+        if not self.config.anchor_start or anchors_at_pretrained(self.experiment.template):
+            return None
+        return self.experiment.space.anchor_point()
 
     def _run_locked(self, resumed: bool) -> SearchResult:
         config, experiment = self.config, self.experiment

@@ -115,7 +115,8 @@ def replay(
                 warned = True
                 echo(
                     f"note: trial {record.trial}'s logged values differ from what the optimiser proposes now "
-                    "(another scikit-optimize/scikit-learn version?); continuing from the logged trials"
+                    "(another version of scikit-optimize, scikit-learn or mergekit-bmm?); "
+                    "continuing from the logged trials"
                 )
             points[offset] = dict(record.values)
         result.batches = batch + 1

@@ -67,15 +67,22 @@ class SequentialBatches:
 
 
 class SkoptProposer:
-    """``bo``: scikit-optimize's ``Optimizer`` with a Gaussian process and the acquisition."""
+    """``bo``: scikit-optimize's ``Optimizer`` with a Gaussian process and the acquisition.
 
-    def __init__(self, space: SearchSpace, config: SearchConfig) -> None:
+    With ``start``, the first point asked is ``start`` (the anchor start: the first of the
+    ``n_initial`` points), the others come from the optimiser.
+    """
+
+    def __init__(
+        self, space: SearchSpace, config: SearchConfig, start: Mapping[str, float] | None = None
+    ) -> None:
         self.space = space
         self.config = config
         self.optimizer = self._optimizer(config.n_initial, config.seed)
         self._worst: float | None = None
         self._provisional: list[int] = []
         self._rebuilt = 0
+        self._start = dict(start) if start else None
 
     def _optimizer(self, n_initial: int, seed: int):
         from skopt import Optimizer
@@ -93,10 +100,12 @@ class SkoptProposer:
         )
 
     def state(self) -> bytes:
-        return pickle.dumps((self.optimizer, self._worst, self._provisional, self._rebuilt))
+        return pickle.dumps((self.optimizer, self._worst, self._provisional, self._rebuilt, self._start))
 
     def restore(self, state: bytes) -> None:
-        self.optimizer, self._worst, self._provisional, self._rebuilt = pickle.loads(state)
+        loaded = pickle.loads(state)
+        self.optimizer, self._worst, self._provisional, self._rebuilt = loaded[:4]
+        self._start = loaded[4] if len(loaded) > 4 else None  # snapshots written before the anchor start
 
     def rebuild(self) -> None:
         """Take the space's new ranges: a new optimiser, told every point so far (one fit)."""
@@ -108,15 +117,18 @@ class SkoptProposer:
             self.optimizer.tell(told_points, told)
 
     def ask(self) -> dict[str, float]:
-        return self.space.as_values(self.optimizer.ask())
+        return self.ask_batch(1)[0]
 
     def ask_batch(self, count: int) -> list[dict[str, float]]:
         """``count`` points at once: scikit-optimize's constant liar (``cl_min``) for a batch."""
+        points = [_take_start(self)] if self._start is not None and count > 0 else []
+        count -= len(points)
         if count == 1:
-            return [self.ask()]
-        return [
-            self.space.as_values(point) for point in self.optimizer.ask(n_points=count, strategy="cl_min")
-        ]
+            points.append(self.space.as_values(self.optimizer.ask()))
+        elif count > 1:
+            asked = self.optimizer.ask(n_points=count, strategy="cl_min")
+            points.extend(self.space.as_values(point) for point in asked)
+        return points
 
     def tell(self, values: Mapping[str, float], score: float | None) -> None:
         self.tell_batch([(values, score)])
@@ -152,11 +164,15 @@ class SkoptProposer:
 
 
 class RandomProposer(SequentialBatches):
-    """``random``: independent draws from the same skopt space and priors as ``bo``."""
+    """``random``: independent draws from the same skopt space and priors as ``bo`` (after
+    ``start``, when given, as ``bo`` does)."""
 
-    def __init__(self, space: SearchSpace, config: SearchConfig) -> None:
+    def __init__(
+        self, space: SearchSpace, config: SearchConfig, start: Mapping[str, float] | None = None
+    ) -> None:
         self.space = space
         self.rng = np.random.RandomState(config.seed)
+        self._start = dict(start) if start else None
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -166,6 +182,8 @@ class RandomProposer(SequentialBatches):
         self.skopt_space = Space(self.space.skopt_dimensions())
 
     def ask(self) -> dict[str, float]:
+        if self._start is not None:
+            return _take_start(self)
         return self.space.as_values(self.skopt_space.rvs(n_samples=1, random_state=self.rng)[0])
 
     def tell(self, values: Mapping[str, float], score: float | None) -> None:
@@ -192,12 +210,22 @@ class GridProposer(SequentialBatches):
         self._next += 1
 
 
-def make_proposer(space: SearchSpace, config: SearchConfig) -> Proposer:
+def _take_start(proposer: SkoptProposer | RandomProposer) -> dict[str, float]:
+    """The start point, once."""
+    start, proposer._start = proposer._start, None
+    return start
+
+
+def make_proposer(
+    space: SearchSpace, config: SearchConfig, start: Mapping[str, float] | None = None
+) -> Proposer:
+    """The config's strategy; ``bo`` and ``random`` ask ``start`` first when given (a grid has
+    its own points)."""
     if config.strategy == "grid":
         return GridProposer(space, config)
     if config.strategy == "random":
-        return RandomProposer(space, config)
-    return SkoptProposer(space, config)
+        return RandomProposer(space, config, start)
+    return SkoptProposer(space, config, start)
 
 
 def same_point(left: Mapping[str, float], right: Mapping[str, float], tolerance: float = 1e-9) -> bool:
