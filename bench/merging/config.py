@@ -158,6 +158,7 @@ class SearchSpec(_Strict):
     )
     scale_range: tuple[float, float] | None = None
     widen_box: bool = True
+    anchor_start: bool = Field(default=True, description="first trial nearest the anchor (docs/search.md)")
     budget: int = Field(default=10, ge=0)
     n_initial: int = Field(default=5, ge=1)
     acq_optimizer: Literal["auto", "lbfgs", "sampling"] = "sampling"

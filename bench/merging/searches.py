@@ -124,6 +124,7 @@ def search_config(
         "strategy": strategy,
         "seed": seed,
         "widen_box": spec.widen_box,
+        "anchor_start": spec.anchor_start,
         "evaluator": evaluator,
     }
     if spec.lambda_range is not None:
