@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.merging.cache import write_json
+from mergekit_bmm.core.module_map import GROUP_NAMES
 
 SPLITS = ("train", "validation", "test")
 
@@ -321,7 +322,7 @@ def diagnostics_markdown(results: dict[str, Any]) -> str:
     moved_rows = [r for r in results["rows"] if r.get("moved")]
     parts = []
     if moved_rows:
-        groups = list(dict.fromkeys(g for r in moved_rows for g in r["moved"]))
+        groups = [g for g in GROUP_NAMES if any(g in r["moved"] for r in moved_rows)]
         header = ["anchor", "mode", "validation: anchor → BMM", *groups]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in moved_rows:
@@ -342,10 +343,12 @@ def diagnostics_markdown(results: dict[str, Any]) -> str:
         )
     alignment = results.get("alignment")
     if alignment:
-        groups = list(dict.fromkeys(g for task in alignment.values() for g in task["groups"]))
+        groups = [g for g in GROUP_NAMES if any(g in task["groups"] for task in alignment.values())]
         header = ["expert", "mean cos_F", "min", *groups]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for task, figures in alignment.items():
+        order = [task for task in results.get("tasks", []) if task in alignment] or list(alignment)
+        for task in order:  # the run's task order (the cached file's may be sorted)
+            figures = alignment[task]
             cells = [f"{figures['groups'][g]:.2f}" if g in figures["groups"] else "–" for g in groups]
             lines.append(
                 f"| {task} | {figures['mean']:.2f} | {figures['min']:.2f} | " + " | ".join(cells) + " |"
