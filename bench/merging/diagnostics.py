@@ -67,8 +67,3 @@ def expert_alignment(stats: Path, base: Path, experts: list[Path], cache_dir: Pa
     }
     write_json(path, out)
     return out
-
-
-def mean_alignment(alignment: dict[str, Any]) -> float | None:
-    values = [task["mean"] for task in alignment.values() if not math.isnan(task["mean"])]
-    return sum(values) / len(values) if values else None
