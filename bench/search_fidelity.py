@@ -22,6 +22,12 @@ The classification benchmark (after its ``task_arithmetic`` stage)::
 Any search, e.g. the language track's lm-eval search (its ``search.yml`` is kept in its folder)::
 
     python bench/search_fidelity.py --search-yml RUN/search.yml --test-evaluator test.yml --out DIR
+
+The language track's lm-eval search (after the benchmark's ``language`` stage; Task Arithmetic at
+``--anchor-weight``, lm-eval ``acc`` on each task's validation and test documents)::
+
+    python bench/search_fidelity.py --language-run /work/bench-cache/runs/zeroshot8 --anchor-weight 0.5 \
+        --tasks rt_sentiment_mc,subjectivity_mc,election_tweets_mc --out DIR --budget 40 --concurrent
 """
 
 from __future__ import annotations
@@ -59,6 +65,41 @@ def search_from_run(run: Path, anchor_weight: float, groups: list[str]) -> tuple
     }
     search = {"recipe": recipe, "blocks": 1, "groups": groups, **validation}
     return search, test["evaluator"]
+
+
+def search_from_language_run(
+    run: Path, anchor_weight: float, groups: list[str], tasks: list[str] | None
+) -> tuple[dict, dict]:
+    """(search.yml, test evaluator) for data-free BMM over Task Arithmetic of the language track's
+    SmolLM2 experts, scored by lm-eval (``<cache>/runs/<name>/language.json``, written by the track)."""
+    track = json.loads((run / "language.json").read_text(encoding="utf-8"))
+    names = tasks or list(track["tasks"])
+    unknown = sorted(set(names) - set(track["tasks"]))
+    if unknown:
+        raise SystemExit(
+            f"--tasks: {unknown} are not tasks of this language track; it has {list(track['tasks'])}"
+        )
+    recipe = {
+        "merge_method": "bmm",
+        "base_model": track["base"],
+        "models": [
+            {"model": track["experts"][name], "parameters": {"weight": anchor_weight}} for name in names
+        ],
+        "parameters": {"anchor_method": "task_arithmetic"},
+        "dtype": "float32",
+    }
+
+    def evaluator(split: str) -> dict:
+        return {
+            "type": "lm_eval",
+            "tasks": [{"name": track["tasks"][name][split], "metric": "acc"} for name in names],
+            "include_path": track["lm_eval_include_path"],
+            "batch_size": 16,
+            "dtype": "float32",
+        }
+
+    search = {"recipe": recipe, "blocks": 1, "groups": groups, "evaluator": evaluator("validation")}
+    return search, evaluator("test")
 
 
 def arm_name(cheap: float | None) -> str:
@@ -227,6 +268,12 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, help="a benchmark run folder (<cache>/runs/<name>)")
+    parser.add_argument(
+        "--language-run",
+        type=Path,
+        help="a benchmark run folder whose language track has run (lm-eval search)",
+    )
+    parser.add_argument("--tasks", help="--language-run: the tasks (comma-separated; default: all)")
     parser.add_argument("--search-yml", type=Path, help="any search.yml (instead of --run)")
     parser.add_argument("--test-evaluator", type=Path, help="a YAML with the `evaluator:` on the test split")
     parser.add_argument("--out", type=Path, required=True)
@@ -244,11 +291,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.run:
         search, test = search_from_run(args.run, args.anchor_weight, args.groups.split(","))
+    elif args.language_run:
+        tasks = args.tasks.split(",") if args.tasks else None
+        search, test = search_from_language_run(
+            args.language_run, args.anchor_weight, args.groups.split(","), tasks
+        )
     elif args.search_yml and args.test_evaluator:
         search = yaml.safe_load(args.search_yml.read_text(encoding="utf-8"))
         test = yaml.safe_load(args.test_evaluator.read_text(encoding="utf-8"))["evaluator"]
     else:
-        parser.error("give --run, or --search-yml with --test-evaluator")
+        parser.error("give --run, --language-run, or --search-yml with --test-evaluator")
     search["budget"] = args.budget
     search.setdefault("n_initial", min(10, args.budget))
     default_cheap = search.get("fidelity", {}).get("cheap", FidelityConfig().cheap)
