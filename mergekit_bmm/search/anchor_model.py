@@ -53,7 +53,7 @@ def anchor_model(template: Mapping[str, Any]) -> AnchorModel:
         if (item.get("parameters") or {}).get("anchor"):
             return AnchorModel(f"input {item['model']}, anchor: true", model_dir=Path(str(item["model"])))
     method = parameters.get("anchor_method") or DEFAULT_ANCHOR
-    if anchors_at_pretrained(template):
+    if method == PRETRAINED_ANCHOR:
         return AnchorModel(
             f"pretrained, {template['base_model']}", model_dir=Path(str(template["base_model"]))
         )

@@ -162,15 +162,9 @@ class SearchSpace:
     def anchor_point(self) -> dict[str, float]:
         """The point of the box nearest the anchor: every λ at its upper edge (BMM tends to its
         anchor as λ grows), s = 1 clipped to its range, ε in the middle of its range."""
-        values = {}
-        for dimension in self.dimensions:
-            if dimension.kind == "lambda":
-                values[dimension.name] = dimension.high
-            elif dimension.kind == "scale":
-                values[dimension.name] = min(max(1.0, dimension.low), dimension.high)
-            else:
-                values[dimension.name] = 0.5 * (dimension.low + dimension.high)
-        return values
+        _, top = self.initial_ranges["lambda"]
+        low, high = self.initial_ranges.get("scale", (1.0, 1.0))
+        return self.shared_lambda_values(top, min(max(1.0, low), high))
 
     def widen(self, name: str, low: float, high: float) -> None:
         """Give dimension ``name`` the range [low, high] (the search box widened)."""
