@@ -125,7 +125,7 @@ def test_the_first_trial_starts_at_the_anchor(family, tmp_path):
     """BO and random search first try the box's point nearest the anchor (every λ at the top of
     its range, s = 1); not over the pretrained anchor, nor with ``anchor_start: false``."""
     evaluator = python_evaluator("per_task_scores")
-    nearest = {f"block0.{group}": 10.0 for group in ("attn_in", "attn_out", "mlp_in", "mlp_out")}
+    nearest = {f"block0.{group}": 1000.0 for group in ("attn_in", "attn_out", "mlp_in", "mlp_out")}
     nearest["block0.scale"] = 1.0
     for strategy in ("bo", "random"):
         config = make_config(family, evaluator, strategy=strategy, budget=2, n_initial=2)
@@ -139,6 +139,36 @@ def test_the_first_trial_starts_at_the_anchor(family, tmp_path):
     config = parse_search_config(pretrained, TESTS)
     result = run_search(config, tmp_path / "pretrained", quiet(skip_best=True, plots=False))
     assert result.records[0].values != nearest
+
+
+def test_a_search_resumes_in_the_box_it_began_in(family, tmp_path, monkeypatch):
+    """The data-free default λ box once ended at 10; a search begun then (its experiment.json
+    records no box) resumes in that box, and a new search records the box it began in."""
+    from mergekit_bmm.search import config as search_config
+
+    evaluator = python_evaluator("per_task_scores")
+    fresh = run_search(
+        make_config(family, evaluator, budget=1, n_initial=1), tmp_path / "new", quiet(skip_best=True)
+    )
+    assert fresh.summary.lambda_range == [1e-3, 1000.0]
+    assert json.loads((tmp_path / "new" / "experiment.json").read_text())["box"]["lambda"] == [1e-3, 1000.0]
+
+    out = tmp_path / "earlier"
+    earlier = dict(search_config.DEFAULT_BOXES, data_free=((1e-3, 10.0), (0.8, 2.2)))
+    with monkeypatch.context() as patch:  # the version that began this search
+        patch.setattr(search_config, "DEFAULT_BOXES", earlier)
+        begun = make_config(family, evaluator, budget=3, n_initial=3, widen_box=False)
+        run_search(begun, out, quiet(skip_best=True))
+    experiment = json.loads((out / "experiment.json").read_text())
+    del experiment["box"]  # that version did not record it
+    (out / "experiment.json").write_text(json.dumps(experiment))
+
+    notes: list[str] = []
+    config = make_config(family, evaluator, budget=6, n_initial=3, widen_box=False)
+    result = run_search(config, out, quiet(skip_best=True), echo=notes.append)
+    assert result.summary.completed_trials == 6 and result.summary.lambda_range == [1e-3, 10.0]
+    assert all(v <= 10.0 for r in result.records for k, v in r.values.items() if k != "block0.scale")
+    assert any("began with lambda in [0.001, 10]" in note for note in notes), notes
 
 
 def read_records(out: Path):

@@ -30,7 +30,7 @@ from bench.merging.finetune import build_expert
 from bench.merging.heads import build_head
 from bench.merging.merging import recipe_key, run_mergekit
 from bench.merging.scoring import ScoredTask, mean, score_model
-from bench.merging.searches import bmm_template, collect_stats, run_search, search_config
+from bench.merging.searches import bmm_template, collect_stats, default_box, run_search, search_config
 from bench.merging.stage_clock import StageClock
 from bench.merging.stages import STAGES  # noqa: E402
 from bench.merging.tasks import build_task_data
@@ -427,8 +427,15 @@ def _anchor_folder(name: str, art: Artifacts) -> Path | None:
 
 
 def _search_folder(config: RunConfig, cache_dir: Path, label: str, search: dict[str, Any]) -> Path:
-    # the budget is left out: a larger budget extends the same search (it resumes)
-    key = stable_key({"search": {k: v for k, v in search.items() if k != "budget"}, "limits": limits(config)})
+    # the budget is left out: a larger budget extends the same search (it resumes); the default
+    # box is in: a search left to the defaults is another search when they change
+    key = stable_key(
+        {
+            "search": {k: v for k, v in search.items() if k != "budget"},
+            "limits": limits(config),
+            "default_box": default_box(search),
+        }
+    )
     return cache_dir / "searches" / config.name / f"{label}-{key}"
 
 

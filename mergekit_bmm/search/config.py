@@ -27,12 +27,16 @@ STRATEGIES = ("bo", "random", "grid")
 
 # Default search boxes per Gram mode (λ relative, log-uniform; s uniform), from the sweeps in
 # docs/search.md ("Search boxes"): an activation Gram averages the experts where their inputs
-# overlap, so data-assisted merges need a larger s and reach the anchor only at larger λ.
+# overlap, so data-assisted merges need a lower s. Every λ box reaches 1000, where the merge is
+# its anchor (to two digits of each group's norm), so the anchor start is the anchor itself.
 DEFAULT_BOXES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
-    "data_free": ((1e-3, 10.0), (0.8, 2.2)),
+    "data_free": ((1e-3, 1000.0), (0.8, 2.2)),
     "activations": ((1e-3, 1000.0), (0.3, 2.2)),
     "mix": ((1e-3, 1000.0), (0.3, 2.2)),
 }
+# The data-free λ box of the versions that did not record a search's box in experiment.json:
+# a search they began resumes in it.
+UNRECORDED_DATA_FREE_LAMBDA = (1e-3, 10.0)
 
 
 def _range(name: str, value: tuple[float, float] | None) -> tuple[float, float] | None:
@@ -151,6 +155,13 @@ class SearchConfig(BaseModel):
             self.lambda_range or lambdas,
             scales if self.scale_range == "auto" else self.scale_range,
         )
+
+    def unrecorded_box(self, gram: str) -> dict[str, tuple[float, float]]:
+        """The λ range a search began with when its folder does not record it (written by a
+        version whose data-free default was :data:`UNRECORDED_DATA_FREE_LAMBDA`)."""
+        if self.lambda_range is None and gram not in ("activations", "mix"):
+            return {"lambda": UNRECORDED_DATA_FREE_LAMBDA}
+        return {}
 
     @field_validator("epsilon_range")
     @classmethod

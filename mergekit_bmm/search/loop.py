@@ -108,7 +108,7 @@ class SearchRun:
         folder.lock()
         resumed = folder.prepare(experiment.hash, self.options.force, self.options.resume)
         if not resumed:
-            folder.record_experiment(experiment.hash, experiment.definition)
+            folder.record_experiment(experiment.hash, experiment.definition, experiment.space.initial_ranges)
         atomic_write_text(folder.search_yml, yaml_text(self.config.model_dump(mode="json")))
         atomic_write_text(folder.template_yml, yaml_text(experiment.template))
         folder.trials_dir.mkdir(exist_ok=True)
@@ -124,6 +124,7 @@ class SearchRun:
     def run(self) -> SearchResult:
         cache_dir = (self.options.cache_dir or self.folder.cache_dir) if self.options.use_cache else None
         self.experiment = prepare_experiment(self.config, cache_dir)
+        self._keep_recorded_box()
         self.proposer = make_proposer(self.experiment.space, self.config, self._start())
         self.evaluator = make_evaluator(self.config.evaluator, self.device)
         resumed = self._open_folder(self.experiment)
@@ -131,6 +132,24 @@ class SearchRun:
             return self._run_locked(resumed)
         finally:
             self.folder.unlock()
+
+    def _keep_recorded_box(self) -> None:
+        """A search that will resume goes on in the box it began in, even where this version's
+        default box differs (read before the optimiser is built on the space)."""
+        if self.folder.recorded_hash() != self.experiment.hash:
+            return
+        space = self.experiment.space
+        recorded = self.folder.recorded_box()
+        if recorded is None:
+            gram = str((self.experiment.template.get("parameters") or {}).get("gram", "data_free"))
+            recorded = self.config.unrecorded_box(gram)
+        for kind, (low, high) in recorded.items():
+            if space.kind_range(kind) not in (None, [low, high]):
+                space.begin_in(kind, low, high)
+                self.echo(
+                    f"this search began with {kind} in [{low:g}, {high:g}] (today's default box differs); "
+                    "it resumes there"
+                )
 
     def _start(self) -> dict[str, float] | None:
         """The anchor start (``anchor_start``): the first trial is the box's point nearest the

@@ -129,7 +129,11 @@ class RunFolder:
         for name in self.OWNED_DIRS:
             shutil.rmtree(self.root / name, ignore_errors=True)
 
-    def record_experiment(self, experiment_hash: str, definition: dict[str, Any]) -> None:
+    def record_experiment(
+        self, experiment_hash: str, definition: dict[str, Any], box: dict[str, list[float]]
+    ) -> None:
+        """``box``: the range each kind of dimension began with (not hashed: a default box may
+        change between versions, and a resumed search goes on in the one it began in)."""
         atomic_write_json(
             self.experiment_json,
             {
@@ -137,8 +141,16 @@ class RunFolder:
                 "experiment_hash": experiment_hash,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "definition": definition,
+                "box": box,
             },
         )
+
+    def recorded_box(self) -> dict[str, list[float]] | None:
+        """The box the recorded experiment began in; None when its folder predates the record."""
+        try:
+            return json.loads(self.experiment_json.read_text(encoding="utf-8")).get("box")
+        except (OSError, ValueError):
+            return None
 
     def fresh_work_dir(self) -> Path:
         """An empty ``.work`` folder for merges in progress."""

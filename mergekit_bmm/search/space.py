@@ -166,6 +166,15 @@ class SearchSpace:
         low, high = self.initial_ranges.get("scale", (1.0, 1.0))
         return self.shared_lambda_values(top, min(max(1.0, low), high))
 
+    def begin_in(self, kind: str, low: float, high: float) -> None:
+        """Give every dimension of ``kind`` the range [low, high] as the one the search began
+        with (a resumed search goes on in the box it began in)."""
+        self.dimensions = [
+            Dimension(d.name, d.kind, d.block, low, high, d.groups) if d.kind == kind else d
+            for d in self.dimensions
+        ]
+        self.initial_ranges[kind] = [low, high]
+
     def widen(self, name: str, low: float, high: float) -> None:
         """Give dimension ``name`` the range [low, high] (the search box widened)."""
         self.dimensions = [
