@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel
 
-from bench.merging.diagnostics import moved_from_anchor
+from bench.merging.diagnostics import cached_moved_from_anchor, moved_from_anchor
 
 
 def _save(model: BertModel, folder) -> None:
@@ -42,3 +42,15 @@ def test_the_anchor_itself_has_not_moved_and_twice_its_task_vector_moved_by_one(
     _save(doubled, root / "doubled")
     moved = moved_from_anchor(root / "doubled", root / "anchor", root / "base")
     assert moved == pytest.approx(dict.fromkeys(kept, 1.0), abs=1e-3)
+
+
+def test_the_figure_is_kept_per_merge_recipe(base_and_anchor, monkeypatch):
+    """A report run again reads each merge's figures from the cache instead of three state dicts."""
+    import bench.merging.diagnostics as diagnostics
+
+    _, _, _, root = base_and_anchor
+    (root / "anchor" / "mergekit_config.yml").write_text("merge_method: bmm  # the recipe of this merge\n")
+    first = cached_moved_from_anchor(root / "anchor", root / "anchor", root / "base", root / "cache")
+    assert len(list((root / "cache" / "moved").glob("*.json"))) == 1
+    monkeypatch.setattr(diagnostics, "moved_from_anchor", lambda *a: pytest.fail("not from the cache"))
+    assert cached_moved_from_anchor(root / "anchor", root / "anchor", root / "base", root / "cache") == first

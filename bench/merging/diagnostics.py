@@ -42,6 +42,22 @@ def moved_from_anchor(merged: Path, anchor: Path, base: Path) -> dict[str, float
     return {group: round(math.sqrt(moved[group] / own[group]), 4) for group in moved if own.get(group)}
 
 
+def cached_moved_from_anchor(merged: Path, anchor: Path, base: Path, cache_dir: Path) -> dict[str, float]:
+    """:func:`moved_from_anchor`, kept under ``cache_dir/moved`` by the recipe that made ``merged``
+    (its ``mergekit_config.yml`` names every input and value): three full state dicts are read
+    once per merge, not once per report."""
+    recipe = merged / "mergekit_config.yml"
+    if not recipe.is_file():
+        return moved_from_anchor(merged, anchor, base)
+    key = stable_key({"recipe": recipe.read_text(encoding="utf-8"), "anchor": str(anchor), "base": str(base)})
+    path = cache_dir / "moved" / f"{key}.json"
+    if path.is_file():
+        return read_json(path)
+    moved = moved_from_anchor(merged, anchor, base)
+    write_json(path, moved)
+    return moved
+
+
 def expert_alignment(stats: Path, base: Path, experts: list[Path], cache_dir: Path) -> dict[str, Any]:
     """Per expert (by its statistics' task name), mean ``cos_F`` over modules and per group; cached."""
     from mergekit_bmm.stats.alignment import alignment_rows, summarize

@@ -24,7 +24,7 @@ from bench.merging import device, report
 from bench.merging.anchor_tuning import materialise, tune_anchor
 from bench.merging.cache import ScoreCache, read_json, stable_key, write_json
 from bench.merging.config import AnchorSpec, RunConfig
-from bench.merging.diagnostics import expert_alignment, moved_from_anchor
+from bench.merging.diagnostics import cached_moved_from_anchor, expert_alignment
 from bench.merging.encoder import load_encoder, prepare_encoder
 from bench.merging.finetune import build_expert
 from bench.merging.heads import build_head
@@ -518,7 +518,9 @@ def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: s
         row = report.add_row(results, anchor, setting, scores, hyper, budget=first["trials"])
         row["seeds"] = seeds
         if anchor != "pretrained" and Path(first["best_dir"]).is_dir():
-            row["moved"] = moved_from_anchor(Path(first["best_dir"]), art.anchors[anchor], art.encoder)
+            row["moved"] = cached_moved_from_anchor(
+                Path(first["best_dir"]), art.anchors[anchor], art.encoder, cache_dir
+            )
         runtime[f"{anchor}/{setting}"] = {
             "trials": sum(o["trials"] for o in outcomes),
             "failed": sum(o["failed"] for o in outcomes),
