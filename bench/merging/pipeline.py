@@ -30,11 +30,12 @@ from bench.merging.finetune import build_expert
 from bench.merging.heads import build_head
 from bench.merging.merging import recipe_key, run_mergekit
 from bench.merging.scoring import ScoredTask, mean, score_model
-from bench.merging.searches import bmm_template, collect_stats, default_box, run_search, search_config
+from bench.merging.searches import bmm_template, collect_stats, run_search, search_config
 from bench.merging.stage_clock import StageClock
 from bench.merging.stages import STAGES  # noqa: E402
 from bench.merging.tasks import build_task_data
 from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.search.config import default_box, recipe_gram
 
 
 def say(message: str) -> None:
@@ -433,7 +434,7 @@ def _search_folder(config: RunConfig, cache_dir: Path, label: str, search: dict[
         {
             "search": {k: v for k, v in search.items() if k != "budget"},
             "limits": limits(config),
-            "default_box": default_box(search),
+            "default_box": default_box(recipe_gram(search["recipe"])),
         }
     )
     return cache_dir / "searches" / config.name / f"{label}-{key}"

@@ -24,7 +24,6 @@ from bench.merging import device
 from bench.merging.cache import read_json, stable_key, write_json
 from bench.merging.config import SearchSpec, StatsSpec
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.search.config import DEFAULT_BOXES
 
 SETTING_GRAM = {"data_free": "data_free", "data_assisted": "activations"}
 
@@ -133,12 +132,6 @@ def search_config(
     if spec.scale_range is not None:
         config["scale_range"] = list(spec.scale_range)
     return config
-
-
-def default_box(search: dict[str, Any]) -> tuple[tuple[float, float], tuple[float, float]]:
-    """The box ``mergekit-bmm-search`` gives a search of this recipe's Gram mode by default."""
-    gram = str((search["recipe"].get("parameters") or {}).get("gram", "data_free"))
-    return DEFAULT_BOXES.get(gram, DEFAULT_BOXES["data_free"])
 
 
 def run_search(

@@ -39,6 +39,16 @@ DEFAULT_BOXES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
 UNRECORDED_DATA_FREE_LAMBDA = (1e-3, 10.0)
 
 
+def recipe_gram(recipe: dict[str, Any]) -> str:
+    """A template recipe's Gram mode (bmm's default: data-free)."""
+    return str((recipe.get("parameters") or {}).get("gram", "data_free"))
+
+
+def default_box(gram: str) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(λ range, s range) a search of this Gram mode gets when its config gives none."""
+    return DEFAULT_BOXES.get(gram, DEFAULT_BOXES["data_free"])
+
+
 def _range(name: str, value: tuple[float, float] | None) -> tuple[float, float] | None:
     if value is None:
         return None
@@ -150,7 +160,7 @@ class SearchConfig(BaseModel):
 
     def box(self, gram: str) -> tuple[tuple[float, float], tuple[float, float] | None]:
         """(λ range, s range) of the search: the config's, else the defaults of the recipe's ``gram``."""
-        lambdas, scales = DEFAULT_BOXES.get(gram, DEFAULT_BOXES["data_free"])
+        lambdas, scales = default_box(gram)
         return (
             self.lambda_range or lambdas,
             scales if self.scale_range == "auto" else self.scale_range,
@@ -159,7 +169,7 @@ class SearchConfig(BaseModel):
     def unrecorded_box(self, gram: str) -> dict[str, tuple[float, float]]:
         """The λ range a search began with when its folder does not record it (written by a
         version whose data-free default was :data:`UNRECORDED_DATA_FREE_LAMBDA`)."""
-        if self.lambda_range is None and gram not in ("activations", "mix"):
+        if self.lambda_range is None and default_box(gram) == DEFAULT_BOXES["data_free"]:
             return {"lambda": UNRECORDED_DATA_FREE_LAMBDA}
         return {}
 
@@ -252,7 +262,7 @@ def load_template(config: SearchConfig) -> dict[str, Any]:
     if not recipe.get("base_model"):
         raise ConfigError(f"{source}: a bmm recipe needs `base_model:`")
     _absolute_model_paths(recipe)
-    gram = (recipe.get("parameters") or {}).get("gram", "data_free")
+    gram = recipe_gram(recipe)
     if config.epsilon_range is not None and gram != "mix":
         raise ConfigError(
             f"epsilon_range is set but the recipe's gram is {gram!r}; ε only exists for `gram: mix`"

@@ -18,6 +18,7 @@ from mergekit_bmm.core.module_map import GROUP_NAMES, filter_rules
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.io.model_folder import num_layers_of
 from mergekit_bmm.recipes.blockwise import BlockSetting, layer_blocks
+from mergekit_bmm.search.config import recipe_gram
 
 DEFAULT_LAMBDA = 0.1  # bmm's own default, for groups that are not searched
 DEFAULT_SCALE = 1.0
@@ -113,8 +114,7 @@ class SearchSpace:
         fixed_lambda = (
             _scalar(recipe, "lambda", DEFAULT_LAMBDA, "groups that are not searched") if unsearched else 0.0
         )
-        gram = str((recipe.get("parameters") or {}).get("gram", "data_free"))
-        lambda_range, scale_range = config.box(gram)
+        lambda_range, scale_range = config.box(recipe_gram(recipe))
         fixed_scale = (
             _scalar(recipe, "scale", DEFAULT_SCALE, "a search without scale_range")
             if scale_range is None
