@@ -48,6 +48,16 @@ def test_training_stops_after_patience_and_keeps_the_best_weights(tmp_path, on_d
     assert not list(tmp_path.glob("*.ckpt"))  # nothing left behind
 
 
+def test_a_resumed_training_removes_what_a_killed_save_left_half_written(tmp_path):
+    """A checkpoint write cut off by a kill leaves a temporary file; the finished build must not
+    carry it (the expert folder is installed as it is)."""
+    for name in ("resume-state.ckpt", "best-state.ckpt"):
+        (tmp_path / f".{name}.12345.tmp").write_bytes(b"half a checkpoint")
+    (tmp_path / "notes.tmp").write_text("not ours")
+    _loop([0.5, 0.7, 0.6, 0.65, 0.9, 0.95, 0.99, 0.99], patience=2, folder=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.tmp"]
+
+
 def test_training_without_a_plateau_runs_to_the_cap_and_keeps_the_last_best():
     scores = [0.1 * i for i in range(1, 9)]
     model, state, seen = _loop(scores, patience=3)

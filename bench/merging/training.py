@@ -113,6 +113,8 @@ def train_loop(
         "stopped_early": False,
     }
     checkpoint = folder / CHECKPOINT if folder is not None else None
+    if folder is not None:
+        remove_interrupted_writes(folder)
     best_weights = BestWeights(folder)
     if checkpoint is not None and checkpoint.is_file():
         saved = torch.load(checkpoint, weights_only=True)
@@ -177,7 +179,7 @@ class BestWeights:
         if self.path is None:
             self._memory = weights
             return
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        temporary = temporary_path(self.path)
         torch.save(weights, temporary)
         os.replace(temporary, self.path)
 
@@ -211,8 +213,21 @@ def _evaluate_and_keep_best(
     return since_best >= patience
 
 
+def temporary_path(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place (this process's own name)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def remove_interrupted_writes(folder: Path) -> None:
+    """A process killed while saving a checkpoint leaves its half-written temporary behind; a
+    resumed build would otherwise install it, hundreds of MB, with the finished model."""
+    for name in (CHECKPOINT, BEST):
+        for stale in folder.glob(f".{name}.*.tmp"):
+            stale.unlink(missing_ok=True)
+
+
 def _save(path: Path, model, optimizer, scheduler, state: dict[str, Any]) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = temporary_path(path)
     saved = {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
