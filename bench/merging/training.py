@@ -12,7 +12,6 @@ one would (the batch order is a pure function of the seed).
 from __future__ import annotations
 
 import math
-import os
 import time
 import zlib
 from collections.abc import Callable, Iterable
@@ -24,6 +23,7 @@ import torch
 
 from bench.merging import device
 from bench.merging.config import FinetuneSpec
+from mergekit_bmm.io.atomic import replacing
 
 CHECKPOINT = "resume-state.ckpt"
 BEST = "best-state.ckpt"
@@ -179,9 +179,8 @@ class BestWeights:
         if self.path is None:
             self._memory = weights
             return
-        temporary = temporary_path(self.path)
-        torch.save(weights, temporary)
-        os.replace(temporary, self.path)
+        with replacing(self.path, fsync=False) as temporary:
+            torch.save(weights, temporary)
 
     def load(self) -> dict[str, torch.Tensor]:
         if self.path is None:
@@ -213,21 +212,16 @@ def _evaluate_and_keep_best(
     return since_best >= patience
 
 
-def temporary_path(path: Path) -> Path:
-    """Where ``path`` is written before it is renamed into place (this process's own name)."""
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
 def remove_interrupted_writes(folder: Path) -> None:
-    """A process killed while saving a checkpoint leaves its half-written temporary behind; a
-    resumed build would otherwise install it, hundreds of MB, with the finished model."""
+    """A process killed while saving a checkpoint leaves the half-written temporary of
+    :func:`~mergekit_bmm.io.atomic.replacing` behind; a resumed build would otherwise install it,
+    hundreds of MB, with the finished model."""
     for name in (CHECKPOINT, BEST):
         for stale in folder.glob(f".{name}.*.tmp"):
             stale.unlink(missing_ok=True)
 
 
 def _save(path: Path, model, optimizer, scheduler, state: dict[str, Any]) -> None:
-    temporary = temporary_path(path)
     saved = {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -237,8 +231,8 @@ def _save(path: Path, model, optimizer, scheduler, state: dict[str, Any]) -> Non
     }
     if next(model.parameters()).is_cuda:
         saved["cuda_rng"] = torch.cuda.get_rng_state_all()
-    torch.save(saved, temporary)
-    os.replace(temporary, path)
+    with replacing(path, fsync=False) as temporary:
+        torch.save(saved, temporary)
 
 
 def summary(state: dict[str, Any], spec: FinetuneSpec, examples: int, seed: int) -> dict[str, Any]:
