@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mergekit_bmm.io.atomic import atomic_write_text
+
 DONE = "done.json"
 
 
@@ -37,12 +39,8 @@ def file_sha256(path: str | Path) -> str:
 
 
 def write_json(path: str | Path, data: Any) -> None:
-    """Write JSON atomically (temporary file, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
+    """Write JSON atomically (temporary file, then rename), keys sorted."""
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def read_json(path: str | Path) -> Any:
