@@ -52,6 +52,7 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads
     },
 }
 GRAMS = ("data_free", "activations", "mix")
+PARTS = ("accuracy", "speed", "search", "billion")
 
 
 def family(models: Path, shape: tuple[int, int, int, int, int]) -> dict:
@@ -203,15 +204,16 @@ def billion(models: Path, scratch: Path, device: str, size: str) -> dict:
 def report(result: dict) -> str:
     """The tables of the parts that ran; a part that failed or did not run says so in one line."""
     lines = [f"GPU check on {result['machine']}, device {result['device']}, sizes {result['size']}"]
-    for part, table in (("accuracy", _accuracy_table), ("speed", _speed_table), ("search", _search_table),
-                        ("billion", _billion_table)):  # fmt: skip
+    tables = {"accuracy": _accuracy_table, "speed": _speed_table, "search": _search_table,
+              "billion": _billion_table}  # fmt: skip
+    for part in PARTS:
         found = result.get(part)
         if found is None:
             lines += ["", f"{part}: not run"]
         elif isinstance(found, dict) and "error" in found:
             lines += ["", f"{part}: failed: {found['error'].strip().splitlines()[-1]}"]
         else:
-            lines += ["", *table(found)]
+            lines += ["", *tables[part](found)]
     return "\n".join(lines)
 
 
@@ -278,11 +280,18 @@ def main(argv: list[str] | None = None) -> dict:
     size = args.size or ("full" if args.device.startswith("cuda") else "small")
     result: dict = {"device": args.device, "size": size, "machine": machine(args.device), "seconds": {}}
     with tempfile.TemporaryDirectory(prefix="bmm-gpu-check-") as scratch:
+        scratch = Path(scratch)
+        runners = {
+            "accuracy": lambda: accuracy(args.models, scratch, args.device, size),
+            "speed": lambda: speed(args.models, scratch, args.device, size),
+            "search": lambda: search(args.models, scratch, args.device, size, args.budget),
+            "billion": lambda: billion(args.models, scratch, args.device, size),
+        }
         for part in parts:
             print(f"== {part}", flush=True)
             started = time.perf_counter()
             try:
-                result[part] = PARTS[part](args.models, Path(scratch), args.device, size, args.budget)
+                result[part] = runners[part]()
             except (Exception, SystemExit) as error:  # a failed merge child exits; keep the other parts
                 result[part] = {"error": f"{type(error).__name__}: {error}"[-3000:]}
                 print(f"  {part} failed: {result[part]['error']}", flush=True)
@@ -299,14 +308,6 @@ def save(result: dict, out: Path | None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({**result, "report": report(result)}, indent=2, default=str) + "\n"
     out.write_text(text, encoding="utf-8")
-
-
-PARTS = {
-    "accuracy": lambda models, scratch, device, size, budget: accuracy(models, scratch, device, size),
-    "speed": lambda models, scratch, device, size, budget: speed(models, scratch, device, size),
-    "search": search,
-    "billion": lambda models, scratch, device, size, budget: billion(models, scratch, device, size),
-}
 
 
 if __name__ == "__main__":
