@@ -42,6 +42,7 @@ import torch  # noqa: E402
 
 from bench.common import ensure_llama_family, gemm_floor, solved_shapes  # noqa: E402
 from bench.merge_speed import DEFAULT_CACHE, closed_form_floor, recipe, run_child  # noqa: E402
+from mergekit_bmm.io.atomic import atomic_write_text  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads
     "small": {"tiny": (64, 128, 2, 4, 2), "smollm2": None, "billion": (256, 1024, 2, 8, 2)},
@@ -298,16 +299,13 @@ def main(argv: list[str] | None = None) -> dict:
             result["seconds"][part] = round(time.perf_counter() - started, 1)
             save(result, args.out)  # a check cut short keeps the parts it finished
     print(report(result))
-    save(result, args.out)
     return result
 
 
 def save(result: dict, out: Path | None) -> None:
-    if out is None:
-        return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({**result, "report": report(result)}, indent=2, default=str) + "\n"
-    out.write_text(text, encoding="utf-8")
+    """Replace ``out`` whole: a check killed mid-write leaves the previous parts readable."""
+    if out is not None:
+        atomic_write_text(out, json.dumps({**result, "report": report(result)}, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":
