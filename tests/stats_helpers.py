@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from mergekit_bmm.examples.tiny_models import _CORPUS
+from mergekit_bmm.stats.store import read_task_grams
 
 
 def write_calibration(path: Path, lines: int = 24, offset: int = 0) -> Path:
@@ -22,10 +22,10 @@ def write_calibration(path: Path, lines: int = 24, offset: int = 0) -> Path:
 
 
 def stored_grams(stats_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """{model path: {weight name: Gram}} read straight from the files (not via the store)."""
+    """{model path: {weight name: Gram}}: every task's Grams as full matrices."""
     manifest = json.loads((Path(stats_dir) / "manifest.json").read_text())
     grams = {}
     for task in manifest["tasks"]:
-        tensors = load_file(str(Path(stats_dir) / "grams" / task["file"]))
+        tensors = read_task_grams(stats_dir, task["name"])
         grams[task["model"]] = {name: tensors[key] for name, key in manifest["modules"].items()}
     return grams

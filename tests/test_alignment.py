@@ -73,7 +73,8 @@ def write_stats(stats_dir, family, gram_of, experts=None, fingerprint_of=model_f
             )
         )
     write_manifest(
-        stats_dir, StatsManifest(package_version="test", tasks=tasks, modules={n: n for n in names})
+        stats_dir,
+        StatsManifest(format_version=1, package_version="test", tasks=tasks, modules={n: n for n in names}),
     )
     return names
 

@@ -194,7 +194,10 @@ def make_stats(family, out: Path) -> Path:
                 data="/data/synthetic.jsonl",
             )
         )
-    write_manifest(out, StatsManifest(package_version="0.1.0", tasks=tasks, modules={n: n for n in body}))
+    write_manifest(
+        out,
+        StatsManifest(format_version=1, package_version="0.1.0", tasks=tasks, modules={n: n for n in body}),
+    )
     return out
 
 

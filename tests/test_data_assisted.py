@@ -258,13 +258,22 @@ def _edit_manifest(stats: Path, edit) -> None:
 
 
 def _edit_gram(stats: Path, weight_name: str, value) -> None:
-    """Replace the first task's Gram serving ``weight_name``."""
+    """Replace the first task's Gram serving ``weight_name`` (rewritten in the stored form)."""
+    from safetensors import safe_open
+
+    from mergekit_bmm.stats.gram_storage import METADATA_KEY, from_mean
+    from mergekit_bmm.stats.store import read_task_grams
+
     manifest = json.loads((stats / "manifest.json").read_text())
-    path = stats / "grams" / manifest["tasks"][0]["file"]
+    task = manifest["tasks"][0]
     key = manifest["modules"][weight_name]
+    path = stats / "grams" / task["file"] / task["parts"][key]
+    stored = from_mean(value(read_task_grams(stats, task["name"])[key]), task["tokens"])
+    with safe_open(str(path), framework="pt") as handle:
+        forms = json.loads(handle.metadata()[METADATA_KEY])
     tensors = load_file(str(path))
-    tensors[key] = value(tensors[key])
-    save_file(tensors, str(path))
+    tensors[key], forms[key] = stored.tensor, stored.describe()
+    save_file(tensors, str(path), metadata={METADATA_KEY: json.dumps(forms)})
 
 
 DOWN = "model.layers.1.mlp.down_proj.weight"
@@ -278,7 +287,7 @@ DOWN = "model.layers.1.mlp.down_proj.weight"
         ("missing_module", rf"have no Gram for {DOWN}"),
         ("wrong_shape", rf"task 'expert-a', module {DOWN}: the Gram is 32x32 but the weight has 128 inputs"),
         ("nan", rf"task 'expert-a', module {DOWN}: the Gram contains NaN or Inf"),
-        ("version", r"holds statistics format 'mergekit-bmm-stats' version 2; this mergekit-bmm reads"),
+        ("version", r"holds statistics format 'mergekit-bmm-stats' version 3; this mergekit-bmm reads"),
     ],
 )
 def test_unusable_statistics_are_refused(case, message, tiny_llama, llama_stats, tmp_path):
@@ -308,7 +317,7 @@ def test_unusable_statistics_are_refused(case, message, tiny_llama, llama_stats,
         elif case == "nan":
             _edit_gram(stats, DOWN, lambda g: g.index_fill(0, torch.tensor([3]), float("nan")))
         else:
-            _edit_manifest(stats, lambda m: m.update(format_version=2))
+            _edit_manifest(stats, lambda m: m.update(format_version=3))
         config = recipe(family, "activations", stats)
     with pytest.raises(Exception) as info:
         merge(config, tmp_path / "out")

@@ -250,7 +250,9 @@ def _stats_dir(root: Path, ids: list[str], in_features: int, seed: int, names=(N
         tasks.append(
             TaskStats(name=f"t{index}", model=model, file=f"t{index}.safetensors", samples=4, tokens=96)
         )
-    manifest = StatsManifest(package_version=__version__, tasks=tasks, modules=dict.fromkeys(names, "g"))
+    manifest = StatsManifest(
+        format_version=1, package_version=__version__, tasks=tasks, modules=dict.fromkeys(names, "g")
+    )
     write_manifest(root, manifest)
     return root
 

@@ -257,7 +257,10 @@ def test_posterior_uses_the_activation_gram_and_refuses_foreign_statistics(tiny_
                 )
             )
         write_manifest(
-            directory, StatsManifest(package_version="test", tasks=tasks, modules={n: n for n in names})
+            directory,
+            StatsManifest(
+                format_version=1, package_version="test", tasks=tasks, modules={n: n for n in names}
+            ),
         )
         return grams
 

@@ -537,7 +537,10 @@ def test_mix_gram_searches_epsilon_per_block(family, tmp_path):
             )
         )
     write_manifest(
-        stats, StatsManifest(package_version=__version__, tasks=tasks, modules={n: n for n in names})
+        stats,
+        StatsManifest(
+            format_version=1, package_version=__version__, tasks=tasks, modules={n: n for n in names}
+        ),
     )
 
     fields = {"strategy": "random", "budget": 2, "blocks": 2, "epsilon_range": [0.2, 0.8]}

@@ -15,6 +15,7 @@ from stats_helpers import stored_grams, write_calibration
 from mergekit_bmm.errors import ConfigError, StatisticsError
 from mergekit_bmm.stats.collect import collect_statistics
 from mergekit_bmm.stats.config import parse_stats_config
+from mergekit_bmm.stats.store import FORMAT_VERSION
 
 MAX_LENGTH = 48
 
@@ -214,8 +215,12 @@ def test_chat_template_renders_each_sample(tiny_llama, calibration, tmp_path):
     assert manifest.tasks[0].settings["chat_template"] is True
 
 
-def _mtimes(stats_dir: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_mtime_ns for p in (stats_dir / "grams").glob("*.safetensors")}
+def _mtimes(stats_dir: Path) -> dict[str, tuple[int, ...]]:
+    """{task: modification times of its part files}."""
+    return {
+        folder.name: tuple(p.stat().st_mtime_ns for p in sorted(folder.glob("*.safetensors")))
+        for folder in (stats_dir / "grams").iterdir()
+    }
 
 
 def test_rerun_resumes_and_refuses_to_overwrite(tiny_llama, calibration, tmp_path):
@@ -238,7 +243,7 @@ def test_rerun_resumes_and_refuses_to_overwrite(tiny_llama, calibration, tmp_pat
     before = _mtimes(out)
     manifest = collect_statistics(config_for(tasks), out, progress=False)
     assert [task.name for task in manifest.tasks] == ["a", "b"]
-    assert _mtimes(out)["a.safetensors"] == before["a.safetensors"], "task a was not collected again"
+    assert _mtimes(out)["a"] == before["a"], "task a was not collected again"
 
     again = _mtimes(out)
     collect_statistics(config_for(tasks), out, progress=False)
@@ -260,7 +265,7 @@ def test_rerun_resumes_and_refuses_to_overwrite(tiny_llama, calibration, tmp_pat
 
     forced = runner.invoke(main, [str(config_path), str(out), "--quiet", "--force"])
     assert forced.exit_code == 0, forced.output
-    assert _mtimes(out)["a.safetensors"] == again["a.safetensors"]
+    assert _mtimes(out)["a"] == again["a"]
     assert json.loads((out / "manifest.json").read_text())["tasks"][1]["samples"] == 6
 
     config_path.write_text(yaml.safe_dump({"tasks": tasks[1:], "max_length": MAX_LENGTH}))
@@ -315,7 +320,7 @@ def test_unusable_stats_dir_needs_force(tiny_llama, calibration, tmp_path):
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(StatisticsError, match="version 99.*pass --force"):
         collect_statistics(config, out, progress=False)
-    assert collect_statistics(config, out, force=True, progress=False).format_version == 1
+    assert collect_statistics(config, out, force=True, progress=False).format_version == FORMAT_VERSION
 
 
 def test_weight_names_match_across_stack_prefixes():

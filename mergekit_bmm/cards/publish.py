@@ -137,7 +137,7 @@ def _apply_base_model_ids(card, mapping: Mapping[str, str]) -> list[str]:
 
 def _check_base_models(entries: list[str]) -> None:
     """Every ``base_model`` entry must be a Hub id; all the ones that are not are named at once."""
-    from mergekit_bmm.recipes.view import looks_like_repo_id
+    from mergekit_bmm.io.hub_ids import looks_like_repo_id
 
     local = [entry for entry in entries if not looks_like_repo_id(entry)]
     if len(local) == 1:
@@ -154,12 +154,17 @@ def _check_base_models(entries: list[str]) -> None:
         )
 
 
-def files_to_upload(folder: Path) -> list[str]:
-    """Paths ``upload_folder`` sends: every file, minus huggingface_hub's default ignores."""
+def files_to_upload(folder: Path, allow_patterns: list[str] | None = None) -> list[str]:
+    """Paths ``upload_folder`` sends: every file (or those ``allow_patterns`` match), minus
+    huggingface_hub's default ignores."""
     from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
     paths = sorted(path.relative_to(folder).as_posix() for path in folder.glob("**/*") if path.is_file())
-    return list(filter_repo_objects(paths, ignore_patterns=list(DEFAULT_IGNORE_PATTERNS)))
+    return list(
+        filter_repo_objects(
+            paths, allow_patterns=allow_patterns, ignore_patterns=list(DEFAULT_IGNORE_PATTERNS)
+        )
+    )
 
 
 def _checked(folder: Path):
@@ -276,11 +281,30 @@ def publish_folder(
         plan.problem = hub_access_problem()
         return plan
 
-    from huggingface_hub import HfApi
-
     _check_hub_access(" (or check the folder with --dry-run)")
     if plan.card_text != (folder / CARD_FILE).read_text(encoding="utf-8"):
         (folder / CARD_FILE).write_text(plan.card_text, encoding="utf-8")
+    upload(
+        folder,
+        repo_id,
+        private,
+        revision,
+        commit_message or f"Upload {folder.name} (BMM merge) with mergekit-bmm",
+    )
+    return plan
+
+
+def upload(
+    folder: Path,
+    repo_id: str,
+    private: bool,
+    revision: str | None,
+    commit_message: str,
+    allow_patterns: list[str] | None = None,
+) -> None:
+    """Create the model repo (and branch) if needed and upload ``folder``; one line if it fails."""
+    from huggingface_hub import HfApi
+
     api = HfApi()
     try:
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
@@ -291,9 +315,9 @@ def publish_folder(
             folder_path=folder,
             repo_type="model",
             revision=revision,
-            commit_message=commit_message or f"Upload {folder.name} (BMM merge) with mergekit-bmm",
+            commit_message=commit_message,
+            allow_patterns=allow_patterns,
         )
     except Exception as error:
         text = " ".join(str(error).split())
         raise PublishError(f"upload of {folder} to {repo_id} failed: {text}") from None
-    return plan

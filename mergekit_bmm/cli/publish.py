@@ -16,10 +16,12 @@ from mergekit_bmm.errors import exit_on_bmm_error
 @click.option("--repo", "repo_alias", hidden=True)
 @hub_options
 def main(model_dir: Path, repo_id: str | None, repo_alias: str | None, hub: HubOptions) -> None:
-    """Upload MODEL_DIR (a merge made with mergekit-bmm) to the Hub repo REPO_ID (user/name).
+    """Upload MODEL_DIR (a merge made with mergekit-bmm, or a statistics folder made by
+    mergekit-bmm-stats) to the Hub repo REPO_ID (user/name).
 
-    Refuses a folder without a model card, without its recipe, or whose weights no longer
-    match the fingerprint recorded at merge time.
+    Refuses a merged folder without a model card, without its recipe, or whose weights no
+    longer match the fingerprint recorded at merge time; a statistics folder gets its card
+    written and is refused if a part file is missing or malformed.
     """
     repo_id = repo_id or repo_alias
     if repo_id is None:
@@ -31,8 +33,15 @@ def main(model_dir: Path, repo_id: str | None, repo_alias: str | None, hub: HubO
 def report_upload(folder: Path, repo_id: str, hub: HubOptions) -> None:
     """Upload (or, with ``--dry-run``, check) ``folder`` and say what was sent or would be."""
     from mergekit_bmm.cards.publish import publish_folder
+    from mergekit_bmm.cards.stats_card import is_statistics_folder, publish_statistics
 
-    plan = publish_folder(folder, repo_id, **hub.upload_arguments())
+    if is_statistics_folder(folder):
+        if hub.base_model_ids:
+            raise click.UsageError("--base-model-id applies to merged models, not to statistics folders")
+        arguments = {k: v for k, v in hub.upload_arguments().items() if k != "base_model_ids"}
+        plan = publish_statistics(folder, repo_id, **arguments)
+    else:
+        plan = publish_folder(folder, repo_id, **hub.upload_arguments())
     target = f"{repo_id}@{hub.revision}" if hub.revision else repo_id
     if hub.dry_run:
         click.echo(

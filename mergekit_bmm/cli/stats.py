@@ -7,7 +7,14 @@ import os
 
 import click
 
-from mergekit_bmm.cli.options import apply_options, command, compute_options, force_option, output_path
+from mergekit_bmm.cli.options import (
+    ByteSize,
+    apply_options,
+    command,
+    compute_options,
+    force_option,
+    output_path,
+)
 from mergekit_bmm.errors import exit_on_bmm_error
 
 
@@ -15,12 +22,22 @@ from mergekit_bmm.errors import exit_on_bmm_error
 @click.argument("config_path", metavar="STATS_YML", type=click.Path(dir_okay=False))
 @output_path()
 @force_option("tasks in OUT_PATH that were collected differently")
+@click.option(
+    "--max-memory",
+    "max_memory",
+    type=ByteSize(),
+    default=None,
+    help="Memory the Gram accumulators may take on the device, e.g. 8GB or 8GiB (the expert's weights "
+    "come on top). When they do not all fit, the data runs once per group of layers. "
+    "Default: 60% of the memory free once the expert is loaded.",
+)
 @compute_options
-def main(merge_options, config_path: str, out_path: str, force: bool) -> None:
+def main(merge_options, config_path: str, out_path: str, force: bool, max_memory: int | None) -> None:
     """Run each task's calibration data through its expert and store per-module Grams in OUT_PATH.
 
     Re-running skips tasks that are already collected with the same checkpoint and
-    settings, so an interrupted run resumes where it stopped.
+    settings and finishes a task's remaining passes, so an interrupted run resumes where
+    it stopped.
     """
     quiet = merge_options.quiet
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -39,9 +56,14 @@ def main(merge_options, config_path: str, out_path: str, force: bool) -> None:
         config = load_stats_config(config_path)
         with logging_redirect_tqdm():
             manifest = collect_statistics(
-                config, out_path, device=merge_options.device, force=force, progress=not quiet
+                config,
+                out_path,
+                device=merge_options.device,
+                force=force,
+                progress=not quiet,
+                max_memory=max_memory,
             )
-    click.echo(describe(manifest))
+    click.echo(describe(manifest, out_path))
     click.echo(f"statistics written to {out_path}")
 
 

@@ -13,7 +13,8 @@ import torch
 
 from mergekit_bmm import __version__
 from mergekit_bmm.io.fingerprint import model_fingerprint
-from mergekit_bmm.stats.store import GRAM_DIR, StatsManifest, TaskStats, write_grams, write_manifest
+from mergekit_bmm.stats.gram_storage import from_mean
+from mergekit_bmm.stats.store import StatsManifest, TaskStats, write_manifest, write_part
 
 
 def random_gram(size: int, generator: torch.Generator, tokens: int | None = None) -> torch.Tensor:
@@ -31,16 +32,19 @@ def write_stats(
     stats_dir = Path(stats_dir)
     tasks = []
     for index, expert in enumerate(experts):
-        file = f"task{index}.safetensors"
-        write_grams(stats_dir / GRAM_DIR / file, {name: per_task[index] for name, per_task in grams.items()})
+        folder = f"task{index}"
+        stored = {name: from_mean(per_task[index], 64) for name, per_task in grams.items()}
+        part = write_part(stats_dir, folder, 1, stored)
         tasks.append(
             TaskStats(
-                name=f"task{index}",
+                name=folder,
                 model=str(expert),
                 fingerprint=model_fingerprint(expert),
-                file=file,
+                file=folder,
                 samples=8,
                 tokens=64,
+                parts=dict.fromkeys(grams, part),
+                passes=1,
             )
         )
     manifest = StatsManifest(package_version=__version__, tasks=tasks, modules={name: name for name in grams})

@@ -34,10 +34,13 @@ def read_versioned(
     remedy: str,
     error: type[BMMError] = ConfigError,
     label: str = "a document of",
+    older_versions: tuple[int, ...] = (),
 ) -> Document:
     """Read and validate ``path``; ``FileNotFoundError`` propagates so callers can say why it matters.
 
-    ``label`` names what the file holds in the refusal (e.g. "statistics").
+    ``label`` names what the file holds in the refusal (e.g. "statistics");
+    ``older_versions`` are earlier versions the model still validates (its readers branch on
+    ``format_version``).
     """
     path = Path(path)
     try:
@@ -49,7 +52,7 @@ def read_versioned(
     fields = model.model_fields
     expected = (fields["format"].default, fields["format_version"].default)
     found = (raw.get("format"), raw.get("format_version"))
-    if found != expected:
+    if found != expected and (found[0] != expected[0] or found[1] not in older_versions):
         raise error(
             f"{path} holds {label} format {found[0]!r} version {found[1]!r}; this mergekit-bmm reads "
             f"{expected[0]!r} version {expected[1]}: {remedy}"

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,10 +101,11 @@ def stats_fingerprint(stats_dir: str | None) -> str:
     """Fingerprint of a statistics directory: its manifest and every Gram file."""
     if not stats_dir:
         return ""
+    from mergekit_bmm.stats.hub import stats_directory
     from mergekit_bmm.stats.store import GRAM_DIR, MANIFEST
 
-    directory = Path(stats_dir)
-    files = [directory / MANIFEST, *sorted((directory / GRAM_DIR).glob("*.safetensors"))]
+    directory = stats_directory(str(stats_dir))
+    files = [directory / MANIFEST, *sorted((directory / GRAM_DIR).rglob("*.safetensors"))]
     stamp = []
     for path in files:
         try:

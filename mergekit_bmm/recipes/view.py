@@ -23,6 +23,7 @@ from mergekit.config import ConfigReader, MergeConfiguration, OutputSliceDefinit
 from mergekit.parameter_resolver import resolve_parameter
 
 from mergekit_bmm.core.module_map import GROUP_NAMES, classify, layer_index
+from mergekit_bmm.io.hub_ids import looks_like_repo_id
 from mergekit_bmm.recipes.parse import parse_recipe
 
 ROLE_BASE = "base"
@@ -111,19 +112,6 @@ def local_folder(path: str) -> Path | None:
     """The absolute folder a model path names on this machine, if it is one."""
     candidate = Path(os.path.abspath(os.path.expanduser(path)))  # symlinks kept as named
     return candidate if candidate.is_dir() else None
-
-
-def looks_like_repo_id(text: str) -> bool:
-    """Whether ``text`` is a valid Hub repo id (checked locally, no Hub call)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if not text or text[0] in "/~." or "\\" in text or text.count("/") > 1:
-        return False
-    try:
-        validate_repo_id(text)
-    except HFValidationError:
-        return False
-    return True
 
 
 def hub_id_of(path: str, local: Path | None) -> str | None:

@@ -1,9 +1,12 @@
 """Collect a statistics directory: every task's calibration data through its expert.
 
-One expert is in memory at a time. After each task its Gram file is written atomically
-and the manifest is rewritten to list it, so an interrupted run keeps every finished
-task; running the same ``stats.yml`` again skips tasks whose model fingerprint and
-settings still match and collects the rest. A directory that differs from the config
+One expert is in memory at a time. Its accumulators are bounded by a memory budget
+(:mod:`mergekit_bmm.stats.passes`): when they do not all fit, the data runs once per group
+of layers and each pass writes its own part file. After each pass the task's progress is
+saved, and after each task the manifest is rewritten to list it, so an interrupted run
+keeps every finished pass and task; running the same ``stats.yml`` again skips tasks whose
+model fingerprint and settings still match, finishes a task's remaining layers, and
+collects the rest. A directory that differs from the config
 (other settings, other checkpoints, extra tasks, another format version) is only
 changed with ``force=True``; a non-empty folder that is not a statistics directory is
 never written into.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import json
 import logging
 import shutil
 from dataclasses import dataclass
@@ -24,18 +28,23 @@ from tqdm.auto import tqdm
 
 from mergekit_bmm.devices import resolve_device
 from mergekit_bmm.errors import ConfigError, StatisticsError
+from mergekit_bmm.io.atomic import atomic_write_json
 from mergekit_bmm.io.fingerprint import model_fingerprint
+from mergekit_bmm.stats import passes as budgeting
 from mergekit_bmm.stats.config import StatsConfig, TaskConfig
-from mergekit_bmm.stats.gram_hooks import GramCollector
-from mergekit_bmm.stats.samples import data_fingerprint, read_samples, tokenize_samples
+from mergekit_bmm.stats.gram_hooks import GramCollector, PassComplete
+from mergekit_bmm.stats.gram_storage import tokens_are_smaller
+from mergekit_bmm.stats.hub import ResolvedModel, fetch_dataset, load_hub_dataset, resolve_model
+from mergekit_bmm.stats.samples import data_fingerprint, dataset_samples, read_samples, tokenize_samples
 from mergekit_bmm.stats.store import (
+    FORMAT_VERSION,
     GRAM_DIR,
     MANIFEST,
     StatsManifest,
     TaskStats,
     load_manifest,
-    write_grams,
     write_manifest,
+    write_part,
 )
 
 LOG = logging.getLogger("mergekit_bmm.stats")
@@ -46,23 +55,36 @@ ENCODER_MODEL_TYPES = frozenset(
 )
 
 
+PROGRESS = "progress.json"
+
+
 @dataclass(frozen=True)
 class TaskPlan:
     """One task of the config, with what identifies its result."""
 
     task: TaskConfig
+    model: ResolvedModel
     fingerprint: str
     settings: dict[str, Any]
+    data_folder: Path | None = None  # a fetched Hub data set
 
     @property
-    def file(self) -> str:
-        return f"{self.task.name}.safetensors"
+    def folder(self) -> str:
+        return self.task.name
 
 
-def task_settings(task: TaskConfig, config: StatsConfig) -> dict[str, Any]:
+def _hub_data(task: TaskConfig) -> bool:
+    return not Path(task.data).exists() and not task.data.startswith(("/", ".", "~"))
+
+
+def task_settings(task: TaskConfig, config: StatsConfig, data_commit: str = "") -> dict[str, Any]:
     """Everything besides the model that decides a task's Grams."""
+    if _hub_data(task):
+        data = {"data_fingerprint": f"hub:{data_commit}", "data_config": task.data_config}
+    else:
+        data = {"data_fingerprint": data_fingerprint(task.data) if Path(task.data).exists() else ""}
     return {
-        "data_fingerprint": data_fingerprint(task.data) if Path(task.data).exists() else "",
+        **data,
         "split": task.split,
         "text_field": task.text_field,
         "chat_template": task.chat_template,
@@ -74,19 +96,30 @@ def task_settings(task: TaskConfig, config: StatsConfig) -> dict[str, Any]:
 
 
 def plan_tasks(config: StatsConfig) -> list[TaskPlan]:
+    """Every task with its expert and data located (Hub ones fetched into the cache) and fingerprinted."""
     plans = []
     for task in config.tasks:
-        if not Path(task.data).exists():
+        data_folder, commit = None, ""
+        if _hub_data(task):
+            data_folder, commit = fetch_dataset(task.data, task.data_revision)
+        elif not Path(task.data).exists():
             raise ConfigError(f"task {task.name!r}: calibration data {task.data} does not exist")
         if task.model.startswith(("/", ".", "~")) and not Path(task.model).is_dir():
             raise ConfigError(f"task {task.name!r}: model folder {task.model} does not exist")
-        plans.append(TaskPlan(task, model_fingerprint(task.model), task_settings(task, config)))
+        try:
+            model = resolve_model(task.model, task.revision)
+        except ConfigError as error:
+            raise ConfigError(f"task {task.name!r}: {error}") from None
+        settings = task_settings(task, config, commit)
+        plans.append(TaskPlan(task, model, model_fingerprint(model.path), settings, data_folder))
     return plans
 
 
 def _differences(recorded: TaskStats, plan: TaskPlan) -> list[str]:
     """What differs between a finished task and the config's version of it."""
     changes = []
+    if recorded.revision != plan.model.revision:
+        changes.append(f"revision {recorded.revision or '-'} vs {plan.model.revision or '-'}")
     if recorded.model != plan.task.model:
         changes.append(f"model {recorded.model} vs {plan.task.model}")
     if recorded.data != plan.task.data:
@@ -106,6 +139,17 @@ def open_output(out: Path, force: bool) -> StatsManifest | None:
         return None
     if not out.is_dir():
         raise StatisticsError(f"OUT_PATH {out} is a file; choose a folder")
+    if (out / MANIFEST).exists() and _version(out / MANIFEST) not in (None, FORMAT_VERSION):
+        if not force:
+            raise StatisticsError(
+                f"OUT_PATH {out} holds statistics of format version {_version(out / MANIFEST)} (merges still "
+                f"read them); pass --force to recollect them as version {FORMAT_VERSION}, or choose a new "
+                "OUT_PATH"
+            )
+        LOG.warning("replacing version %s statistics in %s (--force)", _version(out / MANIFEST), out)
+        shutil.rmtree(out / GRAM_DIR, ignore_errors=True)
+        (out / MANIFEST).unlink()
+        return None
     if not (out / MANIFEST).exists():
         if any(entry.name != GRAM_DIR for entry in out.iterdir()) or any(
             (out / GRAM_DIR).glob("*.safetensors")
@@ -126,6 +170,15 @@ def open_output(out: Path, force: bool) -> StatsManifest | None:
         shutil.rmtree(out / GRAM_DIR, ignore_errors=True)
         (out / MANIFEST).unlink()
         return None
+
+
+def _version(manifest: Path) -> int | None:
+    """The manifest's format version when it names a readable one (other files are judged later)."""
+    try:
+        version = json.loads(manifest.read_text(encoding="utf-8")).get("format_version")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return version if version in (1,) else None
 
 
 def reconcile(
@@ -150,8 +203,8 @@ def reconcile(
             todo.append(plan)
             continue
         changes = _differences(previous, plan)
-        if not (out / GRAM_DIR / previous.file).exists():
-            changes.append("its Gram file is missing")
+        if not all((out / GRAM_DIR / file).exists() for file in previous.files()):
+            changes.append("its Gram files are missing")
         if not changes:
             keep.append(previous)
             continue
@@ -200,9 +253,12 @@ def is_decoder(config: Any) -> bool:
     return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
-def _batches(sequences: list[list[int]], batch_size: int, pad_id: int, device: torch.device):
-    """Right-padded (input_ids, attention_mask) batches, longest first (little padding)."""
+def _batches(
+    sequences: list[list[int]], batch_size: int, pad_id: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Right-padded (input_ids, attention_mask) batches on the CPU, longest first (little padding)."""
     ordered = sorted(sequences, key=len, reverse=True)
+    batches = []
     for start in range(0, len(ordered), batch_size):
         chunk = ordered[start : start + batch_size]
         width = len(chunk[0])
@@ -211,35 +267,171 @@ def _batches(sequences: list[list[int]], batch_size: int, pad_id: int, device: t
         for row, sequence in enumerate(chunk):
             ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
             mask[row, : len(sequence)] = 1
-        yield ids.to(device), mask.to(device)
+        batches.append((ids, mask))
+    return batches
+
+
+@dataclass
+class TaskRun:
+    """One task's expert in memory with its tokenised data, ready for passes."""
+
+    model: torch.nn.Module
+    model_type: str
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    extra: dict[str, Any]
+    samples: int
+    tokens: int
+    device: torch.device
+
+    def forward(self, collector: GramCollector, bar: tqdm | None = None) -> None:
+        """Every batch through the expert with ``collector`` listening (a pass may end each early)."""
+        with collector, torch.inference_mode():
+            for ids, mask in self.batches:
+                ids, mask = ids.to(self.device), mask.to(self.device)
+                try:
+                    with collector.batch(mask):
+                        self.model(input_ids=ids, attention_mask=mask, **self.extra)
+                except PassComplete:
+                    pass
+                if bar is not None:
+                    bar.update(int(mask.sum()))
+
+
+def _samples(plan: TaskPlan) -> list:
+    task = plan.task
+    if plan.data_folder is not None:
+        dataset = load_hub_dataset(plan.data_folder, task.data, task.data_config, task.split)
+        return dataset_samples(dataset, task.data, task.text_field, task.max_samples, task.chat_template)
+    return read_samples(task.data, task.text_field, task.max_samples, task.split, task.chat_template)
+
+
+def _prepare(plan: TaskPlan, config: StatsConfig, device: torch.device) -> TaskRun:
+    task = plan.task
+    # Read the data before loading the expert: a bad file fails in a second.
+    samples = _samples(plan)
+    model, tokenizer, model_type, decoder = load_expert(str(plan.model.path), device, DTYPES[config.dtype])
+    sequences = tokenize_samples(tokenizer, samples, task.chat_template, _max_length(task, model))
+    if not sequences:
+        raise ConfigError(f"task {task.name!r}: the tokenizer produced no tokens for {task.data}")
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:  # padded positions are masked out, any valid id will do
+        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    extra = {"use_cache": False} if decoder else {}
+    if decoder and "logits_to_keep" in _forward_parameters(model):
+        extra["logits_to_keep"] = 1  # the Grams need no logits; skip the vocabulary projection
+    tokens = sum(len(sequence) for sequence in sequences)
+    batches = _batches(sequences, config.batch_size, pad_id)
+    return TaskRun(model, model_type, batches, extra, len(sequences), tokens, device)
+
+
+def _layer_bytes(run: TaskRun, sharing: dict[str, str]) -> tuple[dict[int, int], frozenset[str]]:
+    """What each layer's accumulators take, and the keys kept as token rows."""
+    probe = GramCollector(run.model, run.model_type, accumulate=False)
+    keys = {}
+    for name, (_, d_in) in probe.targets.items():
+        key = sharing.get(name, name)  # a module the probe did not reach counts on its own
+        keys[key] = (probe.layer_of[name], d_in)
+    per_layer: dict[int, int] = {}
+    for layer, d_in in keys.values():
+        per_layer[layer] = per_layer.get(layer, 0) + budgeting.accumulator_bytes(d_in, run.tokens)
+    rows = frozenset(key for key, (_, d_in) in keys.items() if tokens_are_smaller(run.tokens, d_in))
+    return per_layer, rows
+
+
+def _probe_sharing(run: TaskRun) -> dict[str, str]:
+    """Which modules read the same input, from the shortest batch (nothing is accumulated)."""
+    probe = GramCollector(run.model, run.model_type, accumulate=False)
+    single = TaskRun(run.model, run.model_type, run.batches[-1:], run.extra, 0, 0, run.device)
+    single.forward(probe)
+    return probe.modules()
+
+
+@dataclass
+class Progress:
+    """A task's finished passes (``grams/<task>/progress.json``), so an interrupted task resumes."""
+
+    fingerprint: str
+    settings: dict[str, Any]
+    parts: dict[str, str]
+    layers: list[int]
+    modules: dict[str, str]
+
+    @classmethod
+    def read(cls, folder: Path, plan: TaskPlan) -> Progress:
+        fresh = cls(plan.fingerprint, plan.settings, {}, [], {})
+        try:
+            saved = json.loads((folder / PROGRESS).read_text(encoding="utf-8"))
+            progress = cls(**saved)
+        except (OSError, ValueError, TypeError):
+            progress = None
+        if progress is None or (progress.fingerprint, progress.settings) != (plan.fingerprint, plan.settings):
+            shutil.rmtree(folder, ignore_errors=True)  # another expert or settings: start the task over
+            return fresh
+        if not all((folder / part).exists() for part in progress.parts.values()):
+            shutil.rmtree(folder, ignore_errors=True)
+            return fresh
+        return progress
+
+    def write(self, folder: Path) -> None:
+        atomic_write_json(folder / PROGRESS, self.__dict__)
 
 
 def collect_task(
-    task: TaskConfig, config: StatsConfig, device: torch.device, progress: bool = True
-) -> tuple[dict[str, torch.Tensor], dict[str, str], int, int, str]:
-    """One task's mean Grams, module map, sample and token counts, and model type."""
-    # Read the data before loading the expert: a bad file fails in a second.
-    samples = read_samples(task.data, task.text_field, task.max_samples, task.split, task.chat_template)
-    model, tokenizer, model_type, decoder = load_expert(task.model, device, DTYPES[config.dtype])
+    plan: TaskPlan,
+    config: StatsConfig,
+    out: Path,
+    device: torch.device,
+    max_memory: int | None = None,
+    progress: bool = True,
+) -> tuple[TaskStats, dict[str, str], str]:
+    """Collect one task into ``grams/<task>/``; its record, module map and model type."""
+    task = plan.task
+    folder = out / GRAM_DIR / plan.folder
+    run = _prepare(plan, config, device)
     try:
-        sequences = tokenize_samples(tokenizer, samples, task.chat_template, _max_length(task, model))
-        if not sequences:
-            raise ConfigError(f"task {task.name!r}: the tokenizer produced no tokens for {task.data}")
-        pad_id = tokenizer.pad_token_id
-        if pad_id is None:  # padded positions are masked out, any valid id will do
-            pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-        extra = {"use_cache": False} if decoder else {}
-        if decoder and "logits_to_keep" in _forward_parameters(model):
-            extra["logits_to_keep"] = 1  # the Grams need no logits; skip the vocabulary projection
-        collector = GramCollector(model, model_type)
-        bar = tqdm(total=len(sequences), desc=task.name, unit="seq", disable=not progress, leave=False)
-        with collector, torch.inference_mode():
-            for ids, mask in _batches(sequences, config.batch_size, pad_id, device):
-                with collector.batch(mask):
-                    model(input_ids=ids, attention_mask=mask, **extra)
-                bar.update(ids.shape[0])
-        bar.close()
-        unseen = collector.unseen()
+        done = Progress.read(folder, plan)
+        sharing = _probe_sharing(run)
+        per_layer, rows = _layer_bytes(run, sharing)
+        budget = max_memory if max_memory is not None else budgeting.default_budget(device)
+        remaining = {layer: size for layer, size in per_layer.items() if layer not in done.layers}
+        plan_passes = budgeting.plan_passes(remaining, budget)
+        total_passes = len(set(done.parts.values())) + len(plan_passes)
+        if len(plan_passes) > 1 or done.layers:
+            LOG.info(
+                "task %s: %d passes over the data (accumulators %s, budget %s)%s",
+                task.name,
+                total_passes,
+                budgeting.describe_size(sum(per_layer.values())),
+                budgeting.describe_size(budget),
+                f"; {len(set(done.parts.values()))} already done" if done.layers else "",
+            )
+        for index, layers in enumerate(plan_passes):
+            number = len(set(done.parts.values())) + 1
+            collector = GramCollector(
+                run.model,
+                run.model_type,
+                layers=(layers.first, layers.last),
+                keep_rows=rows,
+                stop_early=index < len(plan_passes) - 1,
+            )
+            bar = tqdm(
+                total=run.tokens,
+                desc=f"{task.name} pass {number}/{total_passes}",
+                unit="tok",
+                unit_scale=True,
+                disable=not progress,
+                leave=False,
+            )
+            run.forward(collector, bar)
+            bar.close()
+            part = write_part(out, plan.folder, number, dict(collector.stored_grams()))
+            done.parts.update(dict.fromkeys(collector.counts, part))
+            done.layers.extend(sorted({layer for layer in per_layer if layers.first <= layer <= layers.last}))
+            done.modules.update(collector.modules())
+            done.write(folder)
+        unseen = sorted(
+            set(GramCollector(run.model, run.model_type, accumulate=False).targets) - set(done.modules)
+        )
         if unseen:
             LOG.warning(
                 "task %s: %d modules saw no input and get no Gram (e.g. %s)",
@@ -247,10 +439,22 @@ def collect_task(
                 len(unseen),
                 unseen[0],
             )
-        tokens = sum(len(sequence) for sequence in sequences)
-        return collector.mean_grams(), collector.modules(), len(sequences), tokens, model_type
+        record = TaskStats(
+            name=task.name,
+            model=task.model,
+            fingerprint=plan.fingerprint,
+            file=plan.folder,
+            samples=run.samples,
+            tokens=run.tokens,
+            data=task.data,
+            settings=plan.settings,
+            revision=plan.model.revision,
+            parts=dict(sorted(done.parts.items())),
+            passes=total_passes,
+        )
+        return record, dict(sorted(done.modules.items())), run.model_type
     finally:
-        del model
+        del run
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -282,8 +486,13 @@ def collect_statistics(
     device: str = "cpu",
     force: bool = False,
     progress: bool = True,
+    max_memory: int | None = None,
 ) -> StatsManifest:
-    """Write (or complete) the statistics directory ``out`` for ``config``."""
+    """Write (or complete) the statistics directory ``out`` for ``config``.
+
+    ``max_memory`` bounds the accumulators in bytes (default: a share of the device's free
+    memory once the expert is loaded).
+    """
     from mergekit_bmm import __version__
 
     out = Path(out)
@@ -302,17 +511,17 @@ def collect_statistics(
         )
 
     # Drop entries about to be recollected first: a crash then never leaves the manifest
-    # describing a file that was already replaced. (A new folder gets its manifest now, so
+    # describing files that were already replaced. (A new folder gets its manifest now, so
     # that a resumed run recognises it.)
     if existing is None or [t.name for t in keep] != [t.name for t in existing.tasks]:
         write_manifest(out, manifest(keep))
     for task in dropped:
-        (out / GRAM_DIR / task.file).unlink(missing_ok=True)
+        shutil.rmtree(out / GRAM_DIR / task.file, ignore_errors=True)
     if not todo:
         LOG.info("statistics in %s are up to date", out)
     for plan in tqdm(todo, desc="tasks", unit="task", disable=not progress or len(todo) < 2):
         task = plan.task
-        grams, task_modules, samples, tokens, task_type = collect_task(task, config, torch_device, progress)
+        record, task_modules, task_type = collect_task(plan, config, out, torch_device, max_memory, progress)
         if modules and task_modules != modules:
             missing = sorted(set(modules) ^ set(task_modules))
             raise StatisticsError(
@@ -321,36 +530,32 @@ def collect_statistics(
                 "architecture"
             )
         modules, model_type = task_modules, task_type
-        write_grams(out / GRAM_DIR / plan.file, grams)
-        keep.append(
-            TaskStats(
-                name=task.name,
-                model=task.model,
-                fingerprint=plan.fingerprint,
-                file=plan.file,
-                samples=samples,
-                tokens=tokens,
-                data=task.data,
-                settings=plan.settings,
-            )
-        )
+        keep = [entry for entry in keep if entry.name != task.name] + [record]
         write_manifest(out, manifest(keep))
+        (out / GRAM_DIR / plan.folder / PROGRESS).unlink(missing_ok=True)
         LOG.info(
-            "task %s: %d samples, %d tokens, %d Grams for %d modules",
+            "task %s: %d samples, %d tokens, %d Grams for %d modules in %d pass%s",
             task.name,
-            samples,
-            tokens,
-            len(grams),
+            record.samples,
+            record.tokens,
+            len(set(record.parts)),
             len(task_modules),
+            record.passes,
+            "" if record.passes == 1 else "es",
         )
     return manifest(keep)
 
 
-def describe(manifest: StatsManifest) -> str:
+def describe(manifest: StatsManifest, out: Path | None = None) -> str:
     """A short summary for the command line."""
-    lines = [f"{'task':<20} {'samples':>8} {'tokens':>8}  model"]
+    lines = [f"{'task':<20} {'samples':>8} {'tokens':>8} {'passes':>6}  model"]
     for task in manifest.tasks:
-        lines.append(f"{task.name:<20} {task.samples:>8} {task.tokens:>8}  {task.model}")
+        model = f"{task.model}@{task.revision[:12]}" if task.revision else task.model
+        lines.append(f"{task.name:<20} {task.samples:>8} {task.tokens:>8} {task.passes or 1:>6}  {model}")
     keys = len(set(manifest.modules.values()))
-    lines.append(f"{len(manifest.modules)} modules, {keys} stored Grams per task")
+    size = ""
+    if out is not None:
+        total = sum(p.stat().st_size for p in (Path(out) / GRAM_DIR).rglob("*.safetensors"))
+        size = f", {budgeting.describe_size(total)} on disk"
+    lines.append(f"{len(manifest.modules)} modules, {keys} stored Grams per task{size}")
     return "\n".join(lines)

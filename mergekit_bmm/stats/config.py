@@ -5,15 +5,18 @@ max_samples: 128          # defaults for every task (each task may override them
 max_length: 512
 tasks:
   - name: math
-    model: /models/expert-math
-    data: /data/math.jsonl          # JSONL, or a folder written by datasets' save_to_disk
+    model: /models/expert-math      # a local folder, or a Hub id (ORG/NAME)
+    revision: main                  # optional, Hub experts only: branch, tag or commit
+    data: /data/math.jsonl          # JSONL, a datasets save_to_disk folder, or a Hub data set id
+    data_config: default            # optional, Hub data sets only: datasets.load_dataset's config
+    data_revision: main             # optional, Hub data sets only
     text_field: text
     chat_template: false            # render each sample with the tokenizer's chat template
     split: train                    # optional: only lines/rows of this split
 ```
 
 Relative ``model`` and ``data`` paths are taken relative to the file itself; the
-manifest records them resolved.
+manifest records them resolved (and Hub references with the commit they resolved to).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.io.hub_ids import looks_like_repo_id
 
 TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 DEFAULT_MAX_SAMPLES = 128
@@ -41,6 +45,9 @@ class TaskConfig(BaseModel):
     name: str
     model: str
     data: str
+    revision: str | None = None
+    data_config: str | None = None
+    data_revision: str | None = None
     text_field: str | None = None
     chat_template: bool | None = None
     max_samples: int | None = Field(default=None, ge=1)
@@ -80,9 +87,15 @@ class StatsConfig(BaseModel):
             if task.name in names:
                 raise ValueError(f"task name {task.name!r} appears twice")
             names.add(task.name)
-            task.data = str(_resolve(task.data, folder))
+            if _is_local(task.data, folder) or "/" not in task.data or not looks_like_repo_id(task.data):
+                task.data = str(_resolve(task.data, folder))
+                for key in ("data_config", "data_revision"):
+                    if getattr(task, key) is not None:
+                        raise ValueError(f"task {task.name!r}: `{key}` applies to Hub data sets only")
             if _is_local(task.model, folder):
                 task.model = str(_resolve(task.model, folder))
+                if task.revision is not None:
+                    raise ValueError(f"task {task.name!r}: `revision` applies to Hub experts only")
             if task.model in models:
                 raise ValueError(
                     f"tasks {models[task.model]!r} and {task.name!r} use the same model {task.model}; "

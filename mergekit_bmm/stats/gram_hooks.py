@@ -12,6 +12,12 @@ input *is* (the same tensor object as) the input of the module called just befor
 is recorded as sharing that module's Gram and adds nothing itself. The previous input
 is held by reference, so an address cannot be reused by another tensor and mistaken
 for a shared input; sharing that is not consecutive is simply not deduplicated.
+
+A collector may cover only some layers (one pass of a collection under a memory budget):
+modules of other layers add nothing, and the first module of a layer past its range ends
+the forward early (:class:`PassComplete`), since nothing after it is needed. Keys listed
+in ``keep_rows`` keep their activation rows instead of a ``d_in × d_in`` sum (smaller when
+the calibration data has fewer tokens than the module has inputs).
 """
 
 from __future__ import annotations
@@ -24,8 +30,14 @@ from torch import nn
 
 from mergekit_bmm.core.module_map import classify
 from mergekit_bmm.errors import StatisticsError
+from mergekit_bmm.stats import gram_storage
+from mergekit_bmm.stats.gram_storage import StoredGram
 
 ROWS_PER_UPDATE = 4096
+
+
+class PassComplete(Exception):
+    """Raised inside a forward once every layer of the collector's range has been seen."""
 
 
 def _conv1d_type() -> type | None:
@@ -63,15 +75,32 @@ class GramCollector:
     each batch's attention mask around its forward.
     """
 
-    def __init__(self, model: nn.Module, model_type: str | None, dtype: torch.dtype = torch.float64):
+    def __init__(
+        self,
+        model: nn.Module,
+        model_type: str | None,
+        dtype: torch.dtype = torch.float64,
+        layers: tuple[int, int] | None = None,
+        keep_rows: frozenset[str] = frozenset(),
+        stop_early: bool = False,
+        accumulate: bool = True,
+    ):
+        """``layers`` = (first, last) limits what is collected; ``stop_early`` ends each forward after
+        ``last``; ``accumulate=False`` only learns which modules share an input (a probe)."""
         self.targets = body_linear_modules(model, model_type)
         if not self.targets:
             raise StatisticsError(
                 f"found no linear body modules in this {model_type or 'unknown'} model that the module "
                 "map knows; statistics cannot be collected for it"
             )
+        self.layer_of = {name: classify(name, model_type).layer for name in self.targets}
         self.dtype = dtype
+        self.layers = layers
+        self.keep_rows = keep_rows
+        self.stop_early = stop_early and layers is not None
+        self.accumulate = accumulate
         self.sums: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, list[torch.Tensor]] = {}
         self.counts: dict[str, int] = {}
         self.shared: dict[str, str] = {}
         self._mask: torch.Tensor | None = None
@@ -80,6 +109,8 @@ class GramCollector:
 
     def __enter__(self) -> GramCollector:
         for weight_name, (module, d_in) in self.targets.items():
+            if self.layers is not None and not self.stop_early and not self._in_range(weight_name):
+                continue
             handle = module.register_forward_pre_hook(self._hook(weight_name, d_in), with_kwargs=True)
             self._handles.append(handle)
         return self
@@ -100,8 +131,16 @@ class GramCollector:
             self._mask = None
             self._previous = None
 
+    def _in_range(self, weight_name: str) -> bool:
+        first, last = self.layers
+        return first <= self.layer_of[weight_name] <= last
+
     def _hook(self, weight_name: str, d_in: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self.layers is not None and not self._in_range(weight_name):
+                if self.stop_early and self.layer_of[weight_name] > self.layers[1]:
+                    raise PassComplete
+                return
             inputs = args[0] if args else next(iter(kwargs.values()))
             previous = self._previous
             key = previous[1] if previous is not None and previous[0] is inputs else weight_name
@@ -113,7 +152,8 @@ class GramCollector:
                 )
             if key == weight_name:
                 self._previous = (inputs, weight_name)
-                self._accumulate(weight_name, inputs, d_in)
+                if self.accumulate:
+                    self._accumulate(weight_name, inputs, d_in)
 
         return hook
 
@@ -136,6 +176,10 @@ class GramCollector:
                 f"{weight_name} received inputs of size {inputs.shape[-1]} but its weight has {d_in} inputs"
             )
         rows = self._token_rows(weight_name, inputs.detach())
+        if weight_name in self.keep_rows:
+            self.rows.setdefault(weight_name, []).append(rows.to(torch.float32, copy=True))
+            self.counts[weight_name] = self.counts.get(weight_name, 0) + rows.shape[0]
+            return
         total = self.sums.get(weight_name)
         if total is None:
             total = torch.zeros(d_in, d_in, dtype=self.dtype, device=rows.device)
@@ -146,21 +190,25 @@ class GramCollector:
             total.addmm_(chunk.T, chunk)
         self.counts[weight_name] += rows.shape[0]
 
-    def mean_grams(self) -> dict[str, torch.Tensor]:
-        """Stored key → mean Gram ``Σ x xᵀ / tokens`` (float32, CPU)."""
-        grams = {}
-        for key, total in self.sums.items():
+    def stored_grams(self) -> Iterator[tuple[str, StoredGram]]:
+        """Each collected key with its mean Gram in stored form, freeing its accumulator as it goes
+        (so writing a pass never holds a second copy of its accumulators)."""
+        for key in sorted(set(self.sums) | set(self.rows)):
             count = self.counts[key]
             if count == 0:
                 raise StatisticsError(f"{key} saw no tokens; the calibration data is empty after padding")
-            mean = total / count
-            if not bool(torch.isfinite(mean).all()):
+            if key in self.rows:
+                stored = gram_storage.from_rows(torch.cat(self.rows.pop(key)))
+                finite = bool(torch.isfinite(stored.tensor).all())
+            else:
+                stored = gram_storage.from_sum(self.sums.pop(key), count)
+                finite = bool(torch.isfinite(stored.tensor).all())
+            if not finite:
                 raise StatisticsError(
                     f"the Gram of {key} contains NaN or Inf (activations overflowed); "
                     "collect with `dtype: float32` in stats.yml"
                 )
-            grams[key] = mean.to(torch.float32).cpu()
-        return grams
+            yield key, stored
 
     def modules(self) -> dict[str, str]:
         """Every weight name that saw input → the key of the Gram that serves it."""

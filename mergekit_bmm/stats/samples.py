@@ -81,7 +81,7 @@ def _dataset_rows(path: Path, split: str | None) -> Iterator[tuple[str, dict[str
 def read_samples(
     data: str | Path, text_field: str, max_samples: int, split: str | None = None, chat: bool = False
 ) -> list[Sample]:
-    """The first ``max_samples`` non-empty samples of a task's data."""
+    """The first ``max_samples`` non-empty samples of a task's local data."""
     path = Path(data)
     if path.is_dir():
         rows = _dataset_rows(path, split)
@@ -91,6 +91,25 @@ def read_samples(
         row_split = split
     else:
         raise ConfigError(f"calibration data {path} does not exist")
+    return samples_from_rows(rows, text_field, max_samples, row_split, chat, str(path), split)
+
+
+def dataset_samples(dataset: Any, name: str, text_field: str, max_samples: int, chat: bool) -> list[Sample]:
+    """The first ``max_samples`` non-empty samples of a loaded ``datasets.Dataset`` (a Hub data set)."""
+    rows = ((f"row {index} of {name}", row) for index, row in enumerate(dataset))
+    return samples_from_rows(rows, text_field, max_samples, None, chat, name, None)
+
+
+def samples_from_rows(
+    rows: Iterator[tuple[str, dict[str, Any]]],
+    text_field: str,
+    max_samples: int,
+    row_split: str | None,
+    chat: bool,
+    path: str,
+    split: str | None,
+) -> list[Sample]:
+    """The first ``max_samples`` non-empty ``text_field`` values of ``rows`` (``(where, row)`` pairs)."""
     samples: list[Sample] = []
     for where, row in rows:
         if row_split is not None and row.get("split") != row_split:

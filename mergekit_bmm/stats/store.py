@@ -1,46 +1,65 @@
 """The statistics directory: one file format, one writer, one reader.
 
-Layout::
+Layout (format version 2)::
 
     STATS_DIR/
-      manifest.json           # see StatsManifest
-      grams/<task>.safetensors  # float32 (in, in) mean Grams, one per shared input
+      manifest.json                         # see StatsManifest
+      grams/<task>/part-00001.safetensors   # one file per collection pass: that pass's Grams,
+                                            # each packed or as its token rows (gram_storage)
+      README.md                             # the card, once published
+
+Version 1 folders (``grams/<task>.safetensors``, full float32 matrices) are still read.
 
 ``G_t`` is the mean of ``x xᵀ`` over every non-padding token of task t's calibration
 data, run through expert t (RegMean's convention: each task weighs equally). Modules
 that read the same input (q/k/v; gate/up) share one stored Gram: ``modules`` maps every
-weight name to the key it is stored under. ``tokens`` per task lets users rebuild the
-sum form ``X_t X_tᵀ = tokens · G_t``.
+weight name to the key it is stored under, and each task's ``parts`` maps a key to the
+part file that holds it. ``tokens`` per task lets users rebuild the sum form
+``X_t X_tᵀ = tokens · G_t``.
 
 Both data-assisted ``bmm`` and ``regmean`` read Grams only through
-:func:`activation_grams_for`, which refuses statistics made for other models
-(fingerprint mismatch), from an incompatible format version, lacking a module, or whose
-Gram does not fit the weight (size, NaN/Inf). Weight names are matched exactly, or else
+:func:`activation_grams_for`. It matches each expert to its task by path or Hub id, or
+else by the weights' fingerprint (statistics shared on the Hub serve a local copy of the
+same expert), and refuses statistics made for other weights (fingerprint or Hub commit
+mismatch), an incompatible format version, a missing module, or a Gram that does not fit
+the weight (size, NaN/Inf). Weight names are matched exactly, or else
 by their part from the layer stack on (``layers.3.mlp.up_proj.weight``) when exactly one
 stored name has it: a ``BertForSequenceClassification`` checkpoint says
 ``bert.encoder.layer.0...`` where the encoder loaded for collection says ``encoder.layer.0...``.
+A ``stats:`` value may be a Hub reference (``hf://ORG/NAME[@REV]``), fetched once
+through huggingface_hub's cache (:mod:`mergekit_bmm.stats.hub`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field, PrivateAttr
+from pydantic import BaseModel, Field, PrivateAttr, field_validator
 
 from mergekit_bmm.core.module_map import layer_local_name
 from mergekit_bmm.errors import StatisticsError
 from mergekit_bmm.io.atomic import replacing
 from mergekit_bmm.io.fingerprint import model_fingerprint, same_path
 from mergekit_bmm.io.versioned_json import read_versioned, write_versioned
+from mergekit_bmm.stats import gram_storage
+from mergekit_bmm.stats.hub import cached_model_folder, stats_directory
 
 FORMAT_NAME = "mergekit-bmm-stats"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+OLDER_VERSIONS = (1,)
 MANIFEST = "manifest.json"
 GRAM_DIR = "grams"
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def part_name(index: int) -> str:
+    """The file of a task's ``index``-th collection pass (1-based)."""
+    return f"part-{index:05d}.safetensors"
 
 
 class TaskStats(BaseModel):
@@ -49,6 +68,7 @@ class TaskStats(BaseModel):
     name: str
     model: str
     fingerprint: str = ""
+    # Version 2: the task's folder under grams/; version 1: its single file there.
     file: str
     samples: int = Field(ge=0)
     tokens: int = Field(ge=0)
@@ -56,6 +76,30 @@ class TaskStats(BaseModel):
     # What produced the file (data fingerprint, text field, lengths, forward dtype, ...):
     # a re-run skips the task only when these and the model's fingerprint still match.
     settings: dict[str, Any] = Field(default_factory=dict)
+    revision: str = ""  # the expert's Hub commit, when it came from the Hub
+    parts: dict[str, str] = Field(default_factory=dict)  # version 2: stored key -> part file
+    passes: int = Field(default=0, ge=0)
+
+    @field_validator("file")
+    @classmethod
+    def _plain_file(cls, value: str) -> str:
+        if not _PLAIN_NAME.match(value):
+            raise ValueError(f"{value!r} is not a plain file name inside {GRAM_DIR}/")
+        return value
+
+    @field_validator("parts")
+    @classmethod
+    def _plain_parts(cls, value: dict[str, str]) -> dict[str, str]:
+        for part in value.values():
+            if not _PLAIN_NAME.match(part) or not part.endswith(".safetensors"):
+                raise ValueError(f"{part!r} is not a plain .safetensors file name")
+        return value
+
+    def files(self) -> list[str]:
+        """The task's files, relative to ``grams/``."""
+        if not self.parts:
+            return [self.file]
+        return [f"{self.file}/{part}" for part in sorted(set(self.parts.values()))]
 
 
 class StatsManifest(BaseModel):
@@ -92,21 +136,63 @@ class StatsManifest(BaseModel):
         return self.modules[candidates[0]] if len(candidates) == 1 else None
 
     def task_for_model(self, model: Hashable, stats_dir: Path) -> TaskStats:
-        """The task whose expert is ``model`` (a path or mergekit ModelReference)."""
-        path = _model_path(model)
+        """The task whose expert is ``model`` (a path, Hub id or mergekit ModelReference).
+
+        By path or id first; otherwise by the fingerprint of the model's weights, so that
+        statistics collected from a Hub id serve a local copy of the same expert and the
+        other way round. A task found by name must have been made from these weights.
+        """
+        path, revision = _model_reference(model)
         for task in self.tasks:
             if same_path(task.model, path):
+                _check_same_weights(task, path, revision, stats_dir)
+                return task
+        fingerprint = _local_fingerprint(path, revision)
+        for task in self.tasks:
+            if fingerprint and task.fingerprint == fingerprint:
                 return task
         raise StatisticsError(
             f"statistics in {stats_dir} have no task for model {path} (they cover "
             + ", ".join(t.model for t in self.tasks)
-            + "); collect them for this model with mergekit-bmm-stats"
+            + ", and no task was made from its weights); collect them for this model with mergekit-bmm-stats"
         )
 
 
-def _model_path(model: Hashable) -> str:
+def _model_reference(model: Hashable) -> tuple[str, str | None]:
     inner = getattr(model, "model", None)
-    return str(getattr(inner, "path", model))
+    return str(getattr(inner, "path", model)), getattr(inner, "revision", None)
+
+
+@lru_cache(maxsize=256)
+def _hub_copy(path: str, revision: str | None) -> Path | None:
+    return cached_model_folder(path, revision)
+
+
+def _local_fingerprint(path: str, revision: str | None) -> str:
+    """The fingerprint of a model's weights on this machine ("" when they are not here)."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        folder = _hub_copy(path, revision)
+    return model_fingerprint(folder) if folder is not None else ""
+
+
+def _check_same_weights(task: TaskStats, path: str, revision: str | None, stats_dir: Path) -> None:
+    # model_fingerprint caches by the weight files' size and mtime, so this stays cheap
+    # per tensor and still notices a checkpoint rewritten since the last merge.
+    copy = None if Path(path).expanduser().is_dir() else _hub_copy(path, revision)
+    commit = copy.name if copy is not None else (revision or "")
+    if task.revision and re.fullmatch(r"[0-9a-f]{40}", commit) and commit != task.revision:
+        raise StatisticsError(
+            f"statistics in {stats_dir} for task {task.name!r} were made from {task.model} at commit "
+            f"{task.revision[:12]}, but the recipe uses commit {commit[:12]}; pin the recipe's model to "
+            f"{task.model}@{task.revision} or re-run mergekit-bmm-stats"
+        )
+    actual = _local_fingerprint(path, revision)
+    if task.fingerprint and actual and actual != task.fingerprint:
+        raise StatisticsError(
+            f"statistics in {stats_dir} for task {task.name!r} were made from a different "
+            f"checkpoint than {path} (fingerprint {task.fingerprint} vs {actual}); re-run mergekit-bmm-stats"
+        )
 
 
 def write_manifest(stats_dir: str | Path, manifest: StatsManifest) -> None:
@@ -122,6 +208,7 @@ def _load_manifest(stats_dir: str, stamp: tuple[int, int]) -> StatsManifest:
             "re-run mergekit-bmm-stats",
             StatisticsError,
             "statistics",
+            older_versions=OLDER_VERSIONS,
         )
     except FileNotFoundError:
         raise StatisticsError(
@@ -130,24 +217,14 @@ def _load_manifest(stats_dir: str, stamp: tuple[int, int]) -> StatsManifest:
 
 
 def load_manifest(stats_dir: str | Path) -> StatsManifest:
-    directory = Path(stats_dir)
+    """The manifest of a statistics directory or Hub reference (``hf://...``)."""
+    directory = stats_directory(str(stats_dir))
     try:
         status = (directory / MANIFEST).stat()
         stamp = (status.st_mtime_ns, status.st_size)
     except OSError:
         stamp = (0, 0)
     return _load_manifest(str(directory), stamp)
-
-
-def _verified(stats_dir: str, task_name: str, model: str, recorded: str) -> None:
-    # model_fingerprint caches by the weight files' size and mtime, so this stays cheap
-    # per tensor and still notices a checkpoint rewritten since the last merge.
-    actual = model_fingerprint(model)
-    if recorded and actual and actual != recorded:
-        raise StatisticsError(
-            f"statistics in {stats_dir} for task {task_name!r} were made from a different "
-            f"checkpoint than {model} (fingerprint {recorded} vs {actual}); re-run mergekit-bmm-stats"
-        )
 
 
 def activation_grams_for(
@@ -158,27 +235,53 @@ def activation_grams_for(
 ) -> list[torch.Tensor]:
     """Each model's activation Gram for the input of ``weight_name``, in model order.
 
-    ``d_in`` (the weight's input size) is checked against each Gram's size when given.
+    ``stats_dir`` may be a folder or a Hub reference. ``d_in`` (the weight's input size) is
+    checked against each Gram's size when given.
     """
-    directory = Path(stats_dir)
+    directory = stats_directory(str(stats_dir))
     manifest = load_manifest(directory)
     key = manifest.stored_key(weight_name)
     if key is None:
         raise StatisticsError(
-            f"statistics in {directory} have no Gram for {weight_name}; they were collected for a "
+            f"statistics in {stats_dir} have no Gram for {weight_name}; they were collected for a "
             "different architecture or module set — re-run mergekit-bmm-stats"
         )
     grams = []
     for model in models:
-        task = manifest.task_for_model(model, directory)
-        _verified(str(directory), task.name, task.model, task.fingerprint)
-        gram = read_gram(directory / GRAM_DIR / task.file, key, task.name)
-        _check_gram(gram, directory, task.name, weight_name, d_in)
+        task = manifest.task_for_model(model, Path(str(stats_dir)))
+        gram = read_task_gram(directory, manifest, task, key, stats_dir)
+        _check_gram(gram, stats_dir, task.name, weight_name, d_in)
         grams.append(gram)
     return grams
 
 
-def _check_gram(gram: torch.Tensor, directory: Path, task: str, weight_name: str, d_in: int | None) -> None:
+def read_task_gram(
+    directory: Path, manifest: StatsManifest, task: TaskStats, key: str, label: str | Path = ""
+) -> torch.Tensor:
+    """One task's stored Gram ``key`` as a full float32 matrix on the CPU, from either format version."""
+    if manifest.format_version == 1:
+        return read_gram(directory / GRAM_DIR / task.file, key, task.name)
+    part = task.parts.get(key)
+    where = f"statistics in {label or directory}, task {task.name!r}"
+    if part is None:
+        raise StatisticsError(f"{where} lack the Gram {key}; re-run mergekit-bmm-stats")
+    return gram_storage.read_part_gram(directory / GRAM_DIR / task.file / part, key, where)
+
+
+def read_task_grams(stats_dir: str | Path, task_name: str) -> dict[str, torch.Tensor]:
+    """Every stored Gram of one task, ``{stored key: float32 matrix}`` (for inspection and tests)."""
+    directory = stats_directory(str(stats_dir))
+    manifest = load_manifest(directory)
+    task = next((t for t in manifest.tasks if t.name == task_name), None)
+    if task is None:
+        raise StatisticsError(f"statistics in {stats_dir} have no task {task_name!r}")
+    keys = sorted(set(manifest.modules.values()))
+    return {key: read_task_gram(directory, manifest, task, key) for key in keys}
+
+
+def _check_gram(
+    gram: torch.Tensor, directory: str | Path, task: str, weight_name: str, d_in: int | None
+) -> None:
     where = f"statistics in {directory}, task {task!r}, module {weight_name}"
     if gram.ndim != 2 or gram.shape[0] != gram.shape[1]:
         raise StatisticsError(f"{where}: the Gram has shape {tuple(gram.shape)}, not a square matrix")
@@ -192,7 +295,7 @@ def _check_gram(gram: torch.Tensor, directory: Path, task: str, weight_name: str
 
 
 def read_gram(path: Path, key: str, task_name: str = "") -> torch.Tensor:
-    """One stored Gram, as float32 on the CPU."""
+    """One Gram of a version 1 file, as float32 on the CPU."""
     from safetensors import safe_open
 
     try:
@@ -200,6 +303,17 @@ def read_gram(path: Path, key: str, task_name: str = "") -> torch.Tensor:
             if key not in handle.keys():
                 raise StatisticsError(
                     f"{path} lacks the Gram {key} of task {task_name!r}; re-run mergekit-bmm-stats"
+                )
+            piece = handle.get_slice(key)
+            shape = tuple(piece.get_shape())
+            if (
+                len(shape) != 2
+                or shape[0] != shape[1]
+                or piece.get_dtype() not in ("F32", "F64", "F16", "BF16")
+            ):
+                raise StatisticsError(
+                    f"{path} holds Gram {key} of task {task_name!r} as {piece.get_dtype()} {shape}, "
+                    "not a square float matrix; re-run mergekit-bmm-stats"
                 )
             return handle.get_tensor(key).to(torch.float32)
     except FileNotFoundError:
@@ -213,8 +327,15 @@ def read_gram(path: Path, key: str, task_name: str = "") -> torch.Tensor:
         ) from None
 
 
+def write_part(stats_dir: str | Path, task_folder: str, index: int, grams: Mapping[str, Any]) -> str:
+    """Atomically write a task's ``index``-th part (``{key: StoredGram}``); its file name."""
+    name = part_name(index)
+    gram_storage.write_part(Path(stats_dir) / GRAM_DIR / task_folder / name, grams)
+    return name
+
+
 def write_grams(path: Path, grams: Mapping[str, torch.Tensor]) -> None:
-    """Atomically write one task's Grams (float32, contiguous)."""
+    """Atomically write one task's Grams in the version 1 layout (float32 full matrices)."""
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in grams.items()}
