@@ -412,6 +412,22 @@ def test_eval_anchor_outputs_and_summary_contract(family, tmp_path):
     assert "anchor" in result.report and "best values" in result.report
 
 
+def test_eval_anchor_over_a_regmean_anchor_reads_the_statistics(family, tmp_path):
+    """The anchor model gets bmm's ``stats`` as bmm's own anchor call does (one forwarding rule)."""
+    from mergekit_bmm.examples.synthetic_stats import stats_for_family
+
+    stats, _ = stats_for_family(tmp_path / "stats", family)
+    raw = config_dict(family, python_evaluator("per_task_scores"), strategy="random", budget=1)
+    raw["recipe"]["parameters"].update({"anchor_method": "regmean", "stats": str(stats)})
+    result = run_search(
+        parse_search_config(raw, TESTS), tmp_path / "out", quiet(eval_anchor=True, plots=False)
+    )
+    anchor = yaml.safe_load((tmp_path / "out" / "anchor.yml").read_text())
+    assert anchor["merge_method"] == "regmean" and anchor["parameters"] == {"stats": str(stats)}
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["anchor_score"] is not None and all(r.ok for r in result.records)
+
+
 def test_out_folder_of_another_experiment_is_protected(family, tmp_path):
     from mergekit_bmm.search.errors import OutputFolderError
 

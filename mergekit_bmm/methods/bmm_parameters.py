@@ -224,15 +224,25 @@ class BMMSettings:
 SHARED_WITH_ANCHOR = frozenset({"stats"})
 
 
-def anchor_value(parameters: Mapping[str, Any], name: str) -> Any:
-    """The value the user gave for the anchor's parameter ``name`` (None if unset).
+def anchor_parameters(parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """bmm's parameters as its anchor method sees them: the one forwarding rule.
 
-    ``anchor_<name>`` wins; otherwise a name BMM does not use itself is read as is, and one
-    of BMM's own names only where it is in :data:`SHARED_WITH_ANCHOR` (``stats``).
+    ``anchor_<name>`` reaches the anchor as ``<name>`` and wins over a plain ``<name>``; a
+    name BMM does not use itself passes as is; of BMM's own names only those in
+    :data:`SHARED_WITH_ANCHOR` (``stats``) pass too. Used per tensor by ``bmm`` and, on the
+    recipe, by the search's anchor model, so both give the anchor the same parameters.
     """
-    prefixed = parameters.get(ANCHOR_PREFIX + name)
-    if prefixed is not None:
-        return prefixed
-    if name in OWN_NAMES and name not in SHARED_WITH_ANCHOR:
-        return None
-    return parameters.get(name)
+    forwarded = {
+        key: value
+        for key, value in parameters.items()
+        if not key.startswith(ANCHOR_PREFIX) and (key not in OWN_NAMES or key in SHARED_WITH_ANCHOR)
+    }
+    for key, value in parameters.items():
+        if key.startswith(ANCHOR_PREFIX) and key not in OWN_NAMES and value is not None:
+            forwarded[key[len(ANCHOR_PREFIX) :]] = value
+    return forwarded
+
+
+def anchor_value(parameters: Mapping[str, Any], name: str) -> Any:
+    """The value the user gave for the anchor's parameter ``name`` (None if unset)."""
+    return anchor_parameters(parameters).get(name)

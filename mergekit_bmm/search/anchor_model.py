@@ -3,7 +3,8 @@
 The anchor is, as in ``bmm`` itself: an input marked ``anchor: true`` (scored as is),
 the base model for ``anchor_method: pretrained``, or otherwise the anchor method run as
 an ordinary mergekit recipe on the same base and experts with the parameters ``bmm``
-would forward to it (``anchor.yml`` in ``OUT_PATH``; ``mergekit-yaml anchor.yml`` rebuilds it).
+would forward to it (:func:`~mergekit_bmm.methods.bmm_parameters.anchor_parameters`, the rule
+``bmm`` itself uses; ``anchor.yml`` in ``OUT_PATH``; ``mergekit-yaml anchor.yml`` rebuilds it).
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mergekit_bmm.methods.bmm_parameters import ANCHOR_PREFIX, DEFAULT_ANCHOR, OWN_NAMES, PRETRAINED_ANCHOR
-
-NOT_FORWARDED = OWN_NAMES | {"cache"}
+from mergekit_bmm.methods.bmm_parameters import DEFAULT_ANCHOR, PRETRAINED_ANCHOR, anchor_parameters
 
 
 @dataclass(frozen=True)
@@ -26,17 +25,6 @@ class AnchorModel:
     model_dir: Path | None = None
     recipe: dict[str, Any] | None = None
     seed: int | None = None
-
-
-def _forwarded(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
-    """bmm's parameters as the anchor method sees them (``anchor_x`` → ``x``)."""
-    parameters = dict(parameters or {})
-    out = {key: value for key, value in parameters.items() if key not in NOT_FORWARDED}
-    for key, value in parameters.items():
-        if key.startswith(ANCHOR_PREFIX) and key not in NOT_FORWARDED:
-            out.pop(key, None)
-            out[key[len(ANCHOR_PREFIX) :]] = value
-    return out
 
 
 def anchors_at_pretrained(template: Mapping[str, Any]) -> bool:
@@ -65,12 +53,12 @@ def anchor_model(template: Mapping[str, Any]) -> AnchorModel:
     models = []
     for item in template["models"]:
         entry = {"model": item["model"]}
-        forwarded = _forwarded(item.get("parameters"))
+        forwarded = anchor_parameters(item.get("parameters") or {})
         if forwarded:
             entry["parameters"] = forwarded
         models.append(entry)
     recipe["models"] = models
-    shared = _forwarded(parameters)
+    shared = anchor_parameters(parameters)
     if shared:
         recipe["parameters"] = shared
     # Order like a hand-written recipe: method, base, models, parameters, the rest.
