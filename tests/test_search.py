@@ -315,10 +315,10 @@ def test_three_failures_in_a_row_stop_with_one_line(family, tmp_path):
     search_file.write_text(yaml.safe_dump(config_dict(family, evaluator, strategy="random", budget=6)))
     result = CliRunner().invoke(main, [str(search_file), str(tmp_path / "out"), "--quiet"])
     assert result.exit_code == 3
-    assert (
-        result.stderr.strip()
-        .splitlines()[-1]
-        .startswith("mergekit-bmm: error: 3 trials in a row failed (last: trial 2: evaluate: RuntimeError")
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, "--quiet: the error line and nothing else"
+    assert lines[0].startswith(
+        "mergekit-bmm: error: 3 trials in a row failed (last: trial 2: evaluate: RuntimeError"
     )
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert (

@@ -107,6 +107,10 @@ def test_an_interrupted_task_resumes_after_its_last_finished_pass(
 
 
 def test_a_budget_below_one_layer_is_refused_in_one_line(tiny_llama, calibration, tmp_path):
+    import yaml
+
+    from mergekit_bmm.cli.stats import main
+
     with pytest.raises(
         ConfigError, match=r"less than layer 0's accumulators alone .*raise --max-memory"
     ) as info:
@@ -114,6 +118,16 @@ def test_a_budget_below_one_layer_is_refused_in_one_line(tiny_llama, calibration
             config(tiny_llama, calibration), tmp_path / "stats", progress=False, max_memory=1000
         )
     assert "\n" not in str(info.value)
+
+    path = tmp_path / "stats.yml"
+    path.write_text(yaml.safe_dump(config(tiny_llama, calibration).model_dump(exclude_none=True)))
+    result = CliRunner().invoke(main, [str(path), str(tmp_path / "cli"), "--max-memory", "1KB", "--quiet"])
+    assert result.exit_code != 0
+    assert result.output.strip().splitlines() == [
+        "mergekit-bmm: error: --max-memory 1000 bytes is less than layer 0's accumulators alone "
+        f"({info.value.args[0].split('alone (')[1].split(')')[0]}); raise --max-memory to at least "
+        f"{info.value.args[0].split('at least ')[1]}"
+    ], "--quiet: the error line and nothing else"
 
 
 def _as_version_1(stats: Path, target: Path) -> Path:

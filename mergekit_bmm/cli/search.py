@@ -28,6 +28,12 @@ def _echo(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
+def _warnings_only(message: str) -> None:
+    """``--quiet``: progress lines go; warnings stay (an error is its own one line)."""
+    if message.startswith("warning:"):
+        _echo(message)
+
+
 @command("mergekit-bmm-search", merging=True)
 @click.argument("search_file", metavar="SEARCH_YML", required=False, type=click.Path())
 @output_argument(required=False, shown="OUT_PATH")  # optional in `--resume OUT_PATH`
@@ -198,7 +204,7 @@ def _run(merge_options, search_file, out_path, resume, force, switches) -> bool:
         address=switches["ray_address"],
         cache_dir=switches["cache_dir"],
     )
-    result = run_search(config, out_path, options, echo=_echo)
+    result = run_search(config, out_path, options, echo=_warnings_only if merge_options.quiet else _echo)
     click.echo(result.report)
     return result.summary.status == "finished"
 

@@ -41,7 +41,7 @@ def main(merge_options, config_path: str, out_path: str, force: bool, max_memory
     """
     quiet = merge_options.quiet
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.ERROR if quiet else logging.INFO, format="%(message)s")
     apply_options(merge_options)
     if quiet:
         from transformers.utils import logging as hf_logging

@@ -45,7 +45,9 @@ class SearchProgress:
         self.show(best, last, workers)
 
     def write(self, message: str) -> None:
-        self.bar.write(message, file=sys.stderr)
+        """A line above the bar (nothing when progress is off: ``--quiet``)."""
+        if not self.bar.disable:
+            self.bar.write(message, file=sys.stderr)
 
     def close(self) -> None:
         self.bar.close()

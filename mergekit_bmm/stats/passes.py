@@ -23,7 +23,9 @@ DEFAULT_SHARE = 0.6
 
 
 def describe_size(size: int) -> str:
-    return f"{size / 1e9:.2f} GB" if size >= 10**8 else f"{size / 1e6:.1f} MB"
+    if size >= 10**8:
+        return f"{size / 1e9:.2f} GB"
+    return f"{size / 1e6:.1f} MB" if size >= 10**5 else f"{size} bytes"
 
 
 def free_memory(device: torch.device) -> int:
