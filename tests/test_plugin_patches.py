@@ -122,6 +122,25 @@ def test_patches_are_gated_on_the_mergekit_version(monkeypatch):
     assert module.generate_card(non_plugin, "merge_method: linear\n") == "mergekit's card"
 
 
+def test_a_mergekit_upgrade_is_said_with_what_the_user_loses():
+    """Against a mergekit of another version, every patch stays off and one warning each names the loss."""
+    code = (
+        "import importlib.metadata as metadata\n"
+        "real = metadata.version\n"
+        "metadata.version = lambda name: '0.2.0' if name == 'mergekit' else real(name)\n"
+        "import mergekit.merge\n"
+        "from mergekit_bmm.plugin import activate\n"
+        "activate()\n"
+        "activate()\n"
+        "print(getattr(mergekit.merge.run_merge, '_mergekit_bmm_patch', False))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False"], "nothing of a newer mergekit is patched"
+    for patch in patches.PATCHES:
+        line = f"mergekit 0.2.0 is installed; the {patch.name} patch is off, so {patch.loses}"
+        assert result.stderr.count(line) == 1, (patch.name, result.stderr)
+
+
 def test_start_up_installs_one_finder_and_imports_nothing():
     """At interpreter start the hook adds one import finder and loads neither torch nor mergekit."""
     if os.environ.get("MERGEKIT_BMM_NO_AUTOLOAD"):

@@ -1,8 +1,9 @@
 """Every change the plugin makes to mergekit, in one place: each probed and version-gated.
 
 A patch names the mergekit module it changes, the mergekit versions it was written for,
-and a probe; it is applied only when the installed version is one of those and the probe
-finds what the patch expects, so a newer mergekit is left alone. :data:`APPLIED` lists
+a probe, and what a user goes without when it cannot apply; it is applied only when the
+installed version is one of those and the probe finds what the patch expects, so a newer
+mergekit is left alone — with one warning per patch that names what is lost. :data:`APPLIED` lists
 what was patched in this process.
 
 ``optional_alias_check`` (``mergekit.plan``) — mergekit 0.1.5, ``plan.py`` line 186:
@@ -63,6 +64,9 @@ class Patch:
     attribute: str  # what is replaced, e.g. "MergePlanner.plan_tensor"
     probe: Callable[[Any], bool]
     install: Callable[[Any], None]
+    loses: str  # what a user of mergekit-yaml goes without when the patch cannot apply
+    # A probe that finds nothing to patch can mean mergekit fixed what the patch fixes.
+    absent_is_fine: bool = False
 
     def target(self, module: Any) -> Any:
         for part in self.attribute.split("."):
@@ -271,6 +275,8 @@ PATCHES = (
         "MergePlanner.plan_tensor",
         optional_alias_bug_present,
         _install_optional_alias_check,
+        "BERT merges may fail at planning (mergekit's optional-weight alias bug)",
+        absent_is_fine=True,
     ),
     Patch(
         "output_folder",
@@ -278,10 +284,47 @@ PATCHES = (
         "MergePlanner.plan_to_disk",
         _has_plan_to_disk,
         _install_output_folder,
+        "bmm merges get no merge record (mergekit_bmm_merge.json), so mergekit-bmm-publish refuses them",
     ),
-    Patch("plugin_card", "mergekit.merge", "generate_card", _has_generate_card, _install_plugin_card),
-    Patch("merge_preflight", "mergekit.merge", "run_merge", _has_run_merge, _install_merge_preflight),
+    Patch(
+        "plugin_card",
+        "mergekit.merge",
+        "generate_card",
+        _has_generate_card,
+        _install_plugin_card,
+        "bmm merges get mergekit's generic model card instead of the BMM card, and no merge record",
+    ),
+    Patch(
+        "merge_preflight",
+        "mergekit.merge",
+        "run_merge",
+        _has_run_merge,
+        _install_merge_preflight,
+        "bad recipes fail with mergekit's traceback instead of one line, and OUT_PATH is not guarded",
+    ),
 )
+_WARNED: set[str] = set()
+
+
+def _cannot_apply(patch: Patch, why: str) -> None:
+    """Say once per process, as a warning, which patch could not apply and what that costs."""
+    if patch.name in _WARNED:
+        return
+    _WARNED.add(patch.name)
+    LOG.warning(
+        "mergekit-bmm: %s; the %s patch is off, so %s (mergekit-bmm %s was written for mergekit %s)",
+        why,
+        patch.name,
+        patch.loses,
+        _plugin_version(),
+        ", ".join(SUPPORTED_MERGEKIT),
+    )
+
+
+def _plugin_version() -> str:
+    from mergekit_bmm import __version__
+
+    return __version__
 
 
 def is_patched(patch: Patch, module: Any) -> bool:
@@ -292,13 +335,15 @@ def _apply(patch: Patch, module: Any) -> None:
     if is_patched(patch, module):
         return
     if mergekit_version() not in SUPPORTED_MERGEKIT:
-        LOG.debug("mergekit-bmm: patch %s not applied to mergekit %s", patch.name, mergekit_version())
+        _cannot_apply(patch, f"mergekit {mergekit_version()} is installed")
         return
     try:
         wanted = patch.probe(module)
     except Exception as error:  # never break mergekit because of a probe
-        LOG.debug("mergekit-bmm: probe of %s failed: %s", patch.name, error)
-        wanted = False
+        _cannot_apply(patch, f"mergekit's {patch.module}.{patch.attribute} is not as expected ({error})")
+        return
+    if not wanted and not patch.absent_is_fine:
+        _cannot_apply(patch, f"mergekit's {patch.module}.{patch.attribute} is not as expected")
     if wanted and not is_patched(patch, module):
         patch.install(module)
         APPLIED.append(patch.name)
