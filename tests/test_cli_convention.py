@@ -75,10 +75,10 @@ def test_shared_options_are_present(name):
     if role in ("merge", "compute"):
         assert COMPUTE <= set(options), COMPUTE - set(options)
     if name in WRITES:
-        assert "--force" in options and "--overwrite" not in options
+        assert "--force" in options
     if name in ("mergekit-bmm-search", "mergekit-bmm-publish"):
         assert HUB <= set(options)
-    assert not {"--out", "--seed", "--repo"} & set(options)  # old spellings are hidden aliases
+    assert not {"--out", "--overwrite", "--seed", "--repo"} & set(options)  # one spelling per option
 
 
 def test_shared_options_have_one_meaning():
@@ -111,17 +111,14 @@ def probe(source: str, out_path: str, force: bool) -> None:
     "args, printed",
     [
         (["a", "b"], "a -> b force=False"),
-        (["a", "--out", "b", "--overwrite"], "a -> b force=True"),  # the previous release's spellings
         (["a", "b", "--force"], "a -> b force=True"),
     ],
 )
-def test_old_spellings_still_work(args, printed):
+def test_output_and_force(args, printed):
     result = CliRunner().invoke(probe, args)
     assert result.exit_code == 0 and result.output.strip() == printed, result.output
 
 
-def test_output_given_twice_is_refused():
-    result = CliRunner().invoke(probe, ["a", "b", "--out", "c"])
-    assert result.exit_code == 2 and "give the output once" in result.output
+def test_a_missing_output_is_named():
     missing = CliRunner().invoke(probe, ["a"])
     assert missing.exit_code == 2 and "missing OUT_PATH" in missing.output

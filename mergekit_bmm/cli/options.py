@@ -12,8 +12,7 @@
   ``--message``, ``--base-model-id LOCAL=ORG/NAME``, ``--dry-run`` |
 | help | ``-h/--help`` |
 
-Spellings of the previous release (``--out``, ``--overwrite``, ``--repo``, ``--seed``) are still
-accepted, hidden, for one release. docs/commands.md has the same table.
+docs/commands.md has the same table.
 """
 
 from __future__ import annotations
@@ -106,38 +105,25 @@ def apply_options(merge_options) -> None:
 
 
 def output_path(required: bool = True, metavar: str = "OUT_PATH", shown: str | None = None) -> Callable:
-    """The second positional, ``OUT_PATH``; the old ``--out`` is a hidden alias (one release).
+    """The second positional, ``OUT_PATH`` (a missing one is named in one line).
     ``shown`` overrides how usage lines print it (a command that checks it itself)."""
 
     def decorate(function: Callable) -> Callable:
         @functools.wraps(function)
-        def wrapper(*args, out_path: str | None, out_alias: str | None, **kwargs):
-            if out_path is not None and out_alias is not None and out_path != out_alias:
-                raise click.UsageError(f"give the output once: {metavar} {out_path} or --out {out_alias}")
-            out = out_path if out_path is not None else out_alias
-            if out is None and required:
+        def wrapper(*args, out_path: str | None, **kwargs):
+            if out_path is None and required:
                 raise click.UsageError(f"missing {metavar}: the folder to write to")
-            return function(*args, out_path=out, **kwargs)
+            return function(*args, out_path=out_path, **kwargs)
 
         usage = shown or (metavar if required else f"[{metavar}]")
-        wrapper = click.argument("out_path", metavar=usage, required=False, type=click.Path())(wrapper)
-        return click.option("--out", "out_alias", hidden=True, type=click.Path())(wrapper)
+        return click.argument("out_path", metavar=usage, required=False, type=click.Path())(wrapper)
 
     return decorate
 
 
 def force_option(what: str) -> Callable:
-    """``--force`` (the old ``--overwrite`` is a hidden alias)."""
-
-    def decorate(function: Callable) -> Callable:
-        @functools.wraps(function)
-        def wrapper(*args, force: bool, overwrite: bool, **kwargs):
-            return function(*args, force=force or overwrite, **kwargs)
-
-        wrapper = click.option("--force", is_flag=True, help=f"Replace {what}.")(wrapper)
-        return click.option("--overwrite", is_flag=True, hidden=True)(wrapper)
-
-    return decorate
+    """``--force``: replace what this command wrote before."""
+    return click.option("--force", is_flag=True, help=f"Replace {what}.")
 
 
 def hub_options(function: Callable) -> Callable:

@@ -13,9 +13,8 @@ from mergekit_bmm.errors import exit_on_bmm_error
 @command("mergekit-bmm-publish")
 @click.argument("model_dir", metavar="MODEL_DIR", type=click.Path(path_type=Path))
 @click.argument("repo_id", metavar="REPO_ID", required=False)
-@click.option("--repo", "repo_alias", hidden=True)
 @hub_options
-def main(model_dir: Path, repo_id: str | None, repo_alias: str | None, hub: HubOptions) -> None:
+def main(model_dir: Path, repo_id: str | None, hub: HubOptions) -> None:
     """Upload MODEL_DIR (a merge made with mergekit-bmm, or a statistics folder made by
     mergekit-bmm-stats) to the Hub repo REPO_ID (user/name).
 
@@ -23,7 +22,6 @@ def main(model_dir: Path, repo_id: str | None, repo_alias: str | None, hub: HubO
     longer match the fingerprint recorded at merge time; a statistics folder gets its card
     written and is refused if a part file is missing or malformed.
     """
-    repo_id = repo_id or repo_alias
     if repo_id is None:
         raise click.UsageError("missing REPO_ID: the Hub repo to upload to (user/name)")
     with exit_on_bmm_error():

@@ -23,7 +23,6 @@ from mergekit_bmm.errors import exit_on_bmm_error
     default=None,
     help="Sample only tensors whose name contains this (default: every tensor bmm solves).",
 )
-@click.option("--seed", "seed_alias", type=int, default=None, hidden=True)
 @force_option("an earlier run of this command in OUT_PATH (map/, sample-*/, samples.json)")
 @merge_options
 def main(
@@ -34,7 +33,6 @@ def main(
     beta: float | None,
     iid_sigma: float | None,
     name_filter: str | None,
-    seed_alias: int | None,
     force: bool,
 ) -> None:
     """Draw merged models around the MAP merge of a `merge_method: bmm` RECIPE into OUT_PATH
@@ -49,7 +47,7 @@ def main(
     from mergekit_bmm.sampling.run import SamplingRequest, sample_models
 
     apply_options(merge_options)
-    seed = merge_options.random_seed if merge_options.random_seed is not None else seed_alias
+    seed = merge_options.random_seed
     with exit_on_bmm_error():
         request = SamplingRequest(samples, beta, iid_sigma, name_filter, seed or 0)
         summary = sample_models(recipe, out_path, request, merge_options, force=force)

@@ -160,12 +160,6 @@ EvaluatorConfig = Annotated[
 ]
 
 
-def task_weights(config: Any) -> dict[str, float]:
-    """Per-task weights of the score's mean (empty: all tasks weigh 1)."""
-    tasks = getattr(config, "tasks", None) or []
-    return {task.name: task.weight for task in tasks}
-
-
 def weighted_mean(per_task: dict[str, float], weights: dict[str, float]) -> float:
     """The score: the (weighted) mean over tasks, paper eq. 10. NaN if any task is NaN."""
     if not per_task:

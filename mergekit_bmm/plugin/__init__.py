@@ -81,10 +81,3 @@ def method_names() -> frozenset[str]:
     from mergekit_bmm.plugin.registration import PLUGIN_METHOD_NAMES
 
     return PLUGIN_METHOD_NAMES
-
-
-def versions() -> dict[str, str]:
-    """The plugin's and mergekit's versions (kept here for callers of the earlier location)."""
-    from mergekit_bmm.io.versions import versions as current
-
-    return current()

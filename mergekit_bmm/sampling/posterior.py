@@ -142,8 +142,3 @@ def sample_generator(seed: int, name: str, index: int) -> numpy.random.Generator
 def standard_normal(shape: tuple[int, ...], seed: int, name: str, index: int) -> torch.Tensor:
     """Reproducible ``N(0, 1)`` entries (float64, CPU) for one sample of one tensor."""
     return torch.from_numpy(sample_generator(seed, name, index).standard_normal(shape))
-
-
-def iid_noise(sigma: float, shape: tuple[int, int], seed: int, name: str, index: int) -> torch.Tensor:
-    """``σ Z``: the paper's baseline, i.i.d. Gaussian noise on the MAP task vector."""
-    return check_sigma(sigma) * standard_normal(shape, seed, name, index)

@@ -34,9 +34,6 @@ DEFAULT_BOXES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     "activations": ((1e-3, 1000.0), (0.3, 2.2)),
     "mix": ((1e-3, 1000.0), (0.3, 2.2)),
 }
-# The data-free λ box of the versions that did not record a search's box in experiment.json:
-# a search they began resumes in it.
-UNRECORDED_DATA_FREE_LAMBDA = (1e-3, 10.0)
 
 
 def recipe_gram(recipe: dict[str, Any]) -> str:
@@ -165,13 +162,6 @@ class SearchConfig(BaseModel):
             self.lambda_range or lambdas,
             scales if self.scale_range == "auto" else self.scale_range,
         )
-
-    def unrecorded_box(self, gram: str) -> dict[str, tuple[float, float]]:
-        """The λ range a search began with when its folder does not record it (written by a
-        version whose data-free default was :data:`UNRECORDED_DATA_FREE_LAMBDA`)."""
-        if self.lambda_range is None and default_box(gram) == DEFAULT_BOXES["data_free"]:
-            return {"lambda": UNRECORDED_DATA_FREE_LAMBDA}
-        return {}
 
     @field_validator("epsilon_range")
     @classmethod

@@ -37,10 +37,6 @@ class Experiment:
     def base_model(self) -> str:
         return str(self.template["base_model"])
 
-    @property
-    def model_paths(self) -> list[str]:
-        return [self.base_model] + [str(item["model"]) for item in self.template["models"]]
-
 
 def prepare_experiment(config: SearchConfig, cache_dir: Path | None) -> Experiment:
     """Read and check everything the search needs; ``cache_dir`` is bmm's factor cache (or None)."""

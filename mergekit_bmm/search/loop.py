@@ -23,7 +23,7 @@ from mergekit_bmm.search.anchor_model import anchors_at_pretrained
 from mergekit_bmm.search.anchor_score import cached_anchor_score, score_anchor
 from mergekit_bmm.search.best import BestModel
 from mergekit_bmm.search.box import BoxChange, edge_changes
-from mergekit_bmm.search.config import SearchConfig, recipe_gram
+from mergekit_bmm.search.config import SearchConfig
 from mergekit_bmm.search.errors import SearchStopped
 from mergekit_bmm.search.experiment import Experiment, prepare_experiment
 from mergekit_bmm.search.fidelity import Incumbent
@@ -139,9 +139,7 @@ class SearchRun:
         if self.folder.recorded_hash() != self.experiment.hash:
             return
         space = self.experiment.space
-        recorded = self.folder.recorded_box()
-        if recorded is None:
-            recorded = self.config.unrecorded_box(recipe_gram(self.experiment.template))
+        recorded = self.folder.recorded_box() or {}
         for kind, (low, high) in recorded.items():
             if space.kind_range(kind) not in (None, [low, high]):
                 space.begin_in(kind, low, high)
