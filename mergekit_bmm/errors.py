@@ -67,6 +67,12 @@ def one_line(error: BaseException | str) -> str:
     return f"mergekit-bmm: error: {text}"
 
 
+def error_summary(error: BaseException, limit: int = 400) -> str:
+    """``Type: message`` on one line, cut at ``limit`` characters: how a failed trial is recorded."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _find_bmm_error(error: BaseException | None) -> BMMError | None:
     """Our error, even when a library wrapped it (pydantic, mergekit's executor), or a
     library's report of bad input (:func:`_library_error`) turned into ours."""

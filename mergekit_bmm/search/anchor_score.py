@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mergekit_bmm.errors import find_bmm_error
+from mergekit_bmm.errors import error_summary, find_bmm_error
 from mergekit_bmm.evaluation import weighted_mean
 from mergekit_bmm.io.atomic import atomic_write_json, atomic_write_text
 from mergekit_bmm.recipes import run as recipe_run
@@ -23,7 +23,7 @@ from mergekit_bmm.search.config import canonical_hash
 from mergekit_bmm.search.experiment import Experiment
 from mergekit_bmm.search.run_folder import RunFolder
 from mergekit_bmm.search.summary import AnchorScore
-from mergekit_bmm.search.trials import ErrorLog, one_line
+from mergekit_bmm.search.trials import ErrorLog
 
 
 def anchor_key(experiment: Experiment) -> str:
@@ -71,7 +71,7 @@ def score_anchor(
         if ours is not None:
             raise ours from None
         ErrorLog(folder.errors_log).write("anchor", error)
-        echo(f"warning: the anchor could not be scored ({one_line(error)}); continuing without it")
+        echo(f"warning: the anchor could not be scored ({error_summary(error)}); continuing without it")
         return None
     finally:
         shutil.rmtree(work, ignore_errors=True)

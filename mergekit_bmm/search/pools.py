@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from mergekit_bmm.search.timeouts import TrialTimeout, alarm, timeout_error
+from mergekit_bmm.search.timeouts import TrialTimeout, alarm, time_left, timeout_error
 from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome, TrialRunner
 from mergekit_bmm.search.workers import WorkerReady, WorkerSpec
 
@@ -57,13 +57,6 @@ def worker_devices(device: str, count: int) -> list[tuple[str, int | None]]:
         return [(device, None)] * count
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return [(device, max(1, cores // count))] * count
-
-
-def _time_left(busy: Sequence[_Process]) -> float | None:
-    """Seconds until the first busy worker's trial reaches its limit (None: no limit)."""
-    now = time.perf_counter()
-    left = [w.started + w.trial.timeout - now for w in busy if w.trial is not None and w.trial.timeout]
-    return max(0.0, min(left)) if left else None
 
 
 class SerialPool:
@@ -183,7 +176,10 @@ class LocalPool:
                     worker.connection.send(("run", worker.trial))
             busy = [worker for worker in self._processes if worker.trial is not None]
             handles = {worker.connection: worker for worker in busy}
-            ready = wait(list(handles), timeout=_time_left(busy))
+            ready = wait(
+                list(handles),
+                timeout=time_left((w.started, w.trial.timeout) for w in busy if w.trial is not None),
+            )
             if not ready:
                 yield from self._stop_late(busy)
                 continue

@@ -17,16 +17,9 @@ from typing import Any
 
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.search.pools import ATTEMPTS, lost, worker_devices
-from mergekit_bmm.search.timeouts import timeout_error
+from mergekit_bmm.search.timeouts import time_left, timeout_error
 from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome
 from mergekit_bmm.search.workers import TrialWorker, WorkerReady, WorkerSpec
-
-
-def _time_left(pending) -> float | None:
-    """Seconds until the first pending trial reaches its limit (None: no limit)."""
-    now = time.perf_counter()
-    left = [sent + trial.timeout - now for _, trial, sent in pending if trial.timeout]
-    return max(0.0, min(left)) if left else None
 
 
 class TrialActor:
@@ -108,7 +101,11 @@ class RayPool:
                 slot, trial = idle.pop(0), queue.pop(0)
                 pending[self._actors[slot].run.remote(trial)] = (slot, trial, time.perf_counter())
                 self._busy[slot] = trial
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=_time_left(pending.values()))
+            ready, _ = ray.wait(
+                list(pending),
+                num_returns=1,
+                timeout=time_left((sent, trial.timeout) for _, trial, sent in pending.values()),
+            )
             if not ready:
                 yield from self._stop_late(pending, idle)
                 continue

@@ -12,12 +12,21 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 AUTO_FACTOR = 10.0
 AUTO_FLOOR_SECONDS = 300.0
+
+
+def time_left(started_and_limits: Iterable[tuple[float, float | None]]) -> float | None:
+    """Seconds until the first running trial reaches its limit, from each trial's start
+    (``time.perf_counter``) and limit; None when none has a limit (a pool's wait timeout)."""
+    now = time.perf_counter()
+    left = [started + limit - now for started, limit in started_and_limits if limit]
+    return max(0.0, min(left)) if left else None
 
 
 class TrialTimeout(BaseException):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from mergekit_bmm.errors import find_bmm_error
+from mergekit_bmm.errors import error_summary, find_bmm_error
 from mergekit_bmm.evaluation.base import evaluate_folder
 from mergekit_bmm.recipes import run as recipe_run
 from mergekit_bmm.search.fidelity import Incumbent, StagedScores, evaluate_trial
@@ -64,11 +64,6 @@ class TrialRunner(Protocol):
     def close(self) -> None: ...
 
 
-def one_line(error: BaseException, limit: int = 400) -> str:
-    text = " ".join(f"{type(error).__name__}: {error}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 class ErrorLog:
     """``errors.log``: full tracebacks of failed trials, appended (by the search's driver only)."""
 
@@ -103,7 +98,7 @@ def run_stages(label: str, stages: Sequence[tuple[str, Callable[[], Any]]]) -> T
             if ours is not None:
                 raise ours from None
             outcome.times[name] = clock() - tick
-            outcome.error = f"{name}: {one_line(caught)}"
+            outcome.error = f"{name}: {error_summary(caught)}"
             outcome.traceback = f"{label} ({name})\n" + "".join(
                 traceback.format_exception(type(caught), caught, caught.__traceback__)
             )
