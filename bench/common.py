@@ -34,19 +34,7 @@ def ensure_llama_family(
     print(f"generating the benchmark model family in {folder} (once) ...", flush=True)
     shutil.rmtree(folder, ignore_errors=True)
     tokenizer = build_tokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    config = llama_config(len(tokenizer), hidden, intermediate, layers, heads, kv_heads)
     torch.manual_seed(0)
     # The base as stored: rounded to bfloat16, so experts differ from it only by their update.
     base = transformers.LlamaForCausalLM(config).eval().to(torch.bfloat16).float()
@@ -60,6 +48,27 @@ def ensure_llama_family(
         del model
     marker.write_text(json.dumps(spec))
     return paths
+
+
+def llama_config(
+    vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, positions: int = 512
+):
+    """A Llama configuration of the given shape for the tiny tokenizer (untied embeddings)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=positions,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
 
 
 def move_body_low_rank(model, strength: float, seed: int, rank: int = 8, noise: float = 2e-4) -> None:

@@ -31,6 +31,7 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Llama 3.x)
     "8b": (4096, 14336, 32, 32, 8),
 }
 BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench package, run as a script
 
 
 def generate(folder: Path, shape: str, layers: int, experts: int) -> dict:
@@ -42,24 +43,13 @@ def generate(folder: Path, shape: str, layers: int, experts: int) -> dict:
         return paths
     import transformers
 
+    from bench.common import llama_config
     from mergekit_bmm.examples.tiny_models import build_tokenizer, perturb_as_expert
 
     shutil.rmtree(folder, ignore_errors=True)
     hidden, intermediate, _, heads, kv_heads = SHAPES[shape]
     tokenizer = build_tokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    config = llama_config(len(tokenizer), hidden, intermediate, layers, heads, kv_heads, positions=1024)
     print(
         f"generating a {shape}-shaped family ({layers} layers, {experts} experts) in {folder} ...", flush=True
     )

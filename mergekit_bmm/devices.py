@@ -30,3 +30,21 @@ def resolve_device(requested: str | None, source: str = "--device") -> str:
     except RuntimeError:
         raise ConfigError(f"{source} {requested!r} is not a device; use cpu, cuda or auto") from None
     return requested
+
+
+def available_bytes(device: str | torch.device) -> int:
+    """Free memory on ``device`` now: CUDA's free memory, or the system's available RAM."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -20,7 +20,6 @@ not grow with the number of trials: each tensor's temporaries are freed before t
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 
 from mergekit_bmm.core.closed_form import EigenFactors, weight_from_factors
 from mergekit_bmm.core.module_map import classify, layer_index
+from mergekit_bmm.devices import available_bytes
 from mergekit_bmm.evaluation.base import ModelLoading, load_model, load_tokenizer
 from mergekit_bmm.io.model_folder import model_type_of
 from mergekit_bmm.methods import observer
@@ -115,21 +115,6 @@ def tensor_bytes(tensor: torch.Tensor | None) -> int:
 
 def factor_bytes(factors: EigenFactors) -> int:
     return sum(tensor_bytes(value) for value in vars(factors).values() if isinstance(value, torch.Tensor))
-
-
-def available_bytes(device: str) -> int:
-    """Free memory on ``device`` now: CUDA's free memory, or the system's available RAM."""
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 class ParameterLookup:

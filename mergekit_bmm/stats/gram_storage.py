@@ -18,9 +18,11 @@ file made elsewhere (a Hub download) cannot make it allocate more than it declar
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -125,38 +127,46 @@ def read_part_gram(path: Path, key: str, where: str) -> torch.Tensor:
     return _read(path, key, where, load=True)
 
 
-def _read(path: Path, key: str, where: str, load: bool) -> torch.Tensor | None:
+@contextmanager
+def statistics_file(path: Path, where: str = "") -> Iterator[Any]:
+    """``safe_open`` on a statistics file; a missing or damaged file becomes one StatisticsError line."""
     from safetensors import safe_open
 
+    prefix = f"{where}: " if where else ""
     try:
         with safe_open(str(path), framework="pt") as handle:
-            declared = json.loads((handle.metadata() or {}).get(METADATA_KEY, "{}"))
-            entry = declared.get(key)
-            if key not in handle.keys() or not isinstance(entry, list) or len(entry) != 3:
-                raise StatisticsError(f"{where}: {path.name} lacks the Gram {key}; re-run mergekit-bmm-stats")
-            form, d_in, tokens = entry
-            if form not in FORMS or not all(isinstance(v, int) and v > 0 for v in (d_in, tokens)):
-                raise StatisticsError(
-                    f"{where}: {path.name} declares Gram {key} as {entry!r}, which this mergekit-bmm cannot "
-                    "read (forms: packed, tokens); re-run mergekit-bmm-stats"
-                )
-            piece = handle.get_slice(key)
-            shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
-            if shape != _expected_shape(form, d_in, tokens) or dtype != STORED_DTYPE:
-                raise StatisticsError(
-                    f"{where}: {path.name} holds Gram {key} as {dtype} {shape}, not the {form} float32 "
-                    f"form its header declares for {d_in} inputs; the file is damaged or not ours"
-                )
-            tensor = handle.get_tensor(key) if load else None
+            yield handle
     except FileNotFoundError:
         raise StatisticsError(
-            f"{where}: statistics file {path} is missing; re-run mergekit-bmm-stats"
+            f"{prefix}statistics file {path} is missing; re-run mergekit-bmm-stats"
         ) from None
     except StatisticsError:
         raise
     except Exception as error:  # safetensors reports a damaged file with its own error type
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise StatisticsError(
-            f"{where}: statistics file {path} is unreadable ({first}); re-run mergekit-bmm-stats"
+            f"{prefix}statistics file {path} is unreadable ({first}); re-run mergekit-bmm-stats"
         ) from None
+
+
+def _read(path: Path, key: str, where: str, load: bool) -> torch.Tensor | None:
+    with statistics_file(path, where) as handle:
+        declared = json.loads((handle.metadata() or {}).get(METADATA_KEY, "{}"))
+        entry = declared.get(key)
+        if key not in handle.keys() or not isinstance(entry, list) or len(entry) != 3:
+            raise StatisticsError(f"{where}: {path.name} lacks the Gram {key}; re-run mergekit-bmm-stats")
+        form, d_in, tokens = entry
+        if form not in FORMS or not all(isinstance(v, int) and v > 0 for v in (d_in, tokens)):
+            raise StatisticsError(
+                f"{where}: {path.name} declares Gram {key} as {entry!r}, which this mergekit-bmm cannot "
+                "read (forms: packed, tokens); re-run mergekit-bmm-stats"
+            )
+        piece = handle.get_slice(key)
+        shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+        if shape != _expected_shape(form, d_in, tokens) or dtype != STORED_DTYPE:
+            raise StatisticsError(
+                f"{where}: {path.name} holds Gram {key} as {dtype} {shape}, not the {form} float32 "
+                f"form its header declares for {d_in} inputs; the file is damaged or not ours"
+            )
+        tensor = handle.get_tensor(key) if load else None
     return None if tensor is None else full_matrix(StoredGram(form, d_in, tokens, tensor))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mergekit_bmm.devices import available_bytes
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.stats.gram_storage import tokens_are_smaller
 
@@ -28,25 +29,9 @@ def describe_size(size: int) -> str:
     return f"{size / 1e6:.1f} MB" if size >= 10**5 else f"{size} bytes"
 
 
-def free_memory(device: torch.device) -> int:
-    """Bytes the device can still give: the GPU's free memory, or the system's available memory."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def default_budget(device: torch.device) -> int:
     """The budget when ``--max-memory`` is not given: a share of what is free now."""
-    return int(DEFAULT_SHARE * free_memory(device))
+    return int(DEFAULT_SHARE * available_bytes(device))
 
 
 def accumulator_bytes(d_in: int, tokens: int) -> int:

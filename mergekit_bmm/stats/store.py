@@ -296,35 +296,19 @@ def _check_gram(
 
 def read_gram(path: Path, key: str, task_name: str = "") -> torch.Tensor:
     """One Gram of a version 1 file, as float32 on the CPU."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            if key not in handle.keys():
-                raise StatisticsError(
-                    f"{path} lacks the Gram {key} of task {task_name!r}; re-run mergekit-bmm-stats"
-                )
-            piece = handle.get_slice(key)
-            shape = tuple(piece.get_shape())
-            if (
-                len(shape) != 2
-                or shape[0] != shape[1]
-                or piece.get_dtype() not in ("F32", "F64", "F16", "BF16")
-            ):
-                raise StatisticsError(
-                    f"{path} holds Gram {key} of task {task_name!r} as {piece.get_dtype()} {shape}, "
-                    "not a square float matrix; re-run mergekit-bmm-stats"
-                )
-            return handle.get_tensor(key).to(torch.float32)
-    except FileNotFoundError:
-        raise StatisticsError(f"statistics file {path} is missing; re-run mergekit-bmm-stats") from None
-    except StatisticsError:
-        raise
-    except Exception as error:  # safetensors reports a damaged file with its own error type
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise StatisticsError(
-            f"statistics file {path} is unreadable ({first}); re-run mergekit-bmm-stats"
-        ) from None
+    with gram_storage.statistics_file(path) as handle:
+        if key not in handle.keys():
+            raise StatisticsError(
+                f"{path} lacks the Gram {key} of task {task_name!r}; re-run mergekit-bmm-stats"
+            )
+        piece = handle.get_slice(key)
+        shape = tuple(piece.get_shape())
+        if len(shape) != 2 or shape[0] != shape[1] or piece.get_dtype() not in ("F32", "F64", "F16", "BF16"):
+            raise StatisticsError(
+                f"{path} holds Gram {key} of task {task_name!r} as {piece.get_dtype()} {shape}, "
+                "not a square float matrix; re-run mergekit-bmm-stats"
+            )
+        return handle.get_tensor(key).to(torch.float32)
 
 
 def write_part(stats_dir: str | Path, task_folder: str, index: int, grams: Mapping[str, Any]) -> str:
