@@ -9,7 +9,7 @@ import torch
 from conftest import reference_solve, relative_error
 from mergekit.merge_methods.api import merge_tensors
 
-from mergekit_bmm.anchors import iso_c_merge, iso_cts_merge, regmean_merge, tsv_merge, wudi_merge
+from mergekit_bmm.anchors import ace_merge, iso_c_merge, iso_cts_merge, regmean_merge, tsv_merge, wudi_merge
 from mergekit_bmm.errors import BMMError, ConfigError, StatisticsError, TensorInputError
 from mergekit_bmm.examples.synthetic_stats import random_gram, write_stats
 
@@ -58,6 +58,13 @@ CASES = [
         0.9,
     ),
     ("wudi", {}, wudi_merge, 1.0),
+    ("ace", {}, ace_merge, 1.0),
+    (
+        "ace",
+        {"alpha": 0.8, "ridge": 0.1, "rank_fraction": 0.5},
+        partial(ace_merge, ridge=0.1, rank_fraction=0.5),
+        0.8,
+    ),
     ("wudi", {"solver": "closed_form"}, partial(wudi_merge, solver="closed_form"), 1.0),
     (
         "wudi",
@@ -102,7 +109,7 @@ def test_regmean_reads_the_statistics_directory(stats):
     assert relative_error(plain, got) > 1e-3
 
 
-@pytest.mark.parametrize("method", ["tsv", "iso_c", "iso_cts", "wudi", "regmean"])
+@pytest.mark.parametrize("method", ["tsv", "iso_c", "iso_cts", "wudi", "regmean", "ace"])
 @pytest.mark.parametrize(
     "name, shape",
     [

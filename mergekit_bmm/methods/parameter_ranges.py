@@ -6,14 +6,15 @@ here, once, when mergekit resolves the recipe: :class:`CheckedParameter` looks i
 
 Why the ranges are what they are:
 
-* ``scale`` (bmm) and ``alpha`` (tsv, iso_c, iso_cts) multiply the merged task vector:
+* ``scale`` (bmm) and ``alpha`` (tsv, iso_c, iso_cts, ace) multiply the merged task vector:
   ``W = W_pre + s·U``. ``0`` would give the base weights on the solved tensors next to the
   anchor's everywhere else, a hybrid no one asks for; a negative value negates the tasks
   ("forgetting"), which these methods do not model. Both must be > 0.
 * ``lambda`` (bmm) is a prior strength: >= 0 (0 is the documented λ → 0⁺ limit; any
   finite value is computed stably, the anchor being the limit λ → ∞).
-* ``epsilon``, ``common_space_fraction`` and ``off_diagonal_scale`` are interpolation
-  weights in [0, 1]; ``learning_rate`` > 0; ``iterations`` and ``anchor_seed`` >= 0.
+* ``epsilon``, ``common_space_fraction``, ``rank_fraction`` and ``off_diagonal_scale`` are
+  interpolation weights in [0, 1]; ``learning_rate`` > 0; ACE's ``ridge``, ``iterations`` and
+  ``anchor_seed`` >= 0.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ RANGES: dict[tuple[str, str], Range] = {
     ("iso_c", "alpha"): POSITIVE,
     ("iso_cts", "alpha"): POSITIVE,
     ("iso_cts", "common_space_fraction"): UNIT_INTERVAL,
+    ("ace", "alpha"): POSITIVE,
+    ("ace", "ridge"): NON_NEGATIVE,
+    ("ace", "rank_fraction"): UNIT_INTERVAL,
     ("regmean", "off_diagonal_scale"): UNIT_INTERVAL,
     ("wudi", "iterations"): COUNT,
     ("wudi", "learning_rate"): POSITIVE,

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from mergekit_bmm.methods.registry import registered_names
 
-PLUGIN_METHOD_NAMES = frozenset({"bmm", "tsv", "iso_c", "iso_cts", "wudi", "regmean"})
+PLUGIN_METHOD_NAMES = frozenset({"bmm", "tsv", "iso_c", "iso_cts", "wudi", "regmean", "ace"})
 
 
 def plugin_methods() -> tuple:
+    from mergekit_bmm.methods.ace import ACEMerge
     from mergekit_bmm.methods.bmm import BMMMerge
     from mergekit_bmm.methods.iso_c import IsoCMerge
     from mergekit_bmm.methods.iso_cts import IsoCTSMerge
@@ -19,7 +20,7 @@ def plugin_methods() -> tuple:
     from mergekit_bmm.methods.tsv import TSVMerge
     from mergekit_bmm.methods.wudi import WUDIMerge
 
-    return (BMMMerge(), TSVMerge(), IsoCMerge(), IsoCTSMerge(), WUDIMerge(), RegMeanMerge())
+    return (BMMMerge(), TSVMerge(), IsoCMerge(), IsoCTSMerge(), WUDIMerge(), RegMeanMerge(), ACEMerge())
 
 
 def register_all() -> tuple[str, ...]:
