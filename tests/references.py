@@ -22,18 +22,42 @@ def _normalised(gram: torch.Tensor, cross: torch.Tensor) -> tuple[torch.Tensor, 
     return gram / scale, cross / scale
 
 
+def balance(task_grams: Sequence[torch.Tensor], mode: str) -> list[float]:
+    """Task weights ``mean(n)/n_t`` with ``n_t`` the trace or Frobenius norm of each task's Gram;
+    ``adaptive``: trace weights when ``Var(log tr)/mean(log tr)² > 0.3`` (unbiased), else ones."""
+    traces = torch.tensor([float(g.trace()) for g in task_grams], dtype=torch.float64)
+    if mode == "none":
+        return [1.0] * len(task_grams)
+    if mode == "adaptive":
+        logs = torch.log(traces + 1e-12)
+        if len(task_grams) < 2 or float(logs.var() / (logs.mean() ** 2 + 1e-12)) <= 0.3:
+            return [1.0] * len(task_grams)
+        mode = "trace"
+    sizes = (
+        traces if mode == "trace" else torch.tensor([float(torch.linalg.matrix_norm(g)) for g in task_grams])
+    )
+    return [float(sizes.mean() / size) for size in sizes]
+
+
 def normal_equations(
     vectors: Sequence[torch.Tensor],
     gram_mode: str = "data_free",
     task_grams: Sequence[torch.Tensor] | None = None,
     epsilon: float = 0.5,
+    task_balance: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(G, C)``: data_free ``Σ U_tᵀU_t, Σ U_t U_tᵀU_t``; activations ``Σ G_t, Σ U_t G_t``; mix:
-    each divided by ``tr(G)/d_in``, then ``ε·few + (1-ε)·df``."""
-    free = sum(u.T @ u for u in vectors), sum(u @ (u.T @ u) for u in vectors)
+    """``(G, C)``: data_free ``Σ w_t U_tᵀU_t, Σ w_t U_t U_tᵀU_t``; activations ``Σ w_t G_t, Σ w_t U_t G_t``;
+    mix: each divided by ``tr(G)/d_in``, then ``ε·few + (1-ε)·df`` (``w_t``: :func:`balance`)."""
+    free_grams = [u.T @ u for u in vectors]
+    w = balance(free_grams, task_balance)
+    free = (
+        sum(a * g for a, g in zip(w, free_grams)),
+        sum(a * u @ g for a, u, g in zip(w, vectors, free_grams)),
+    )
     if gram_mode == "data_free":
         return free
-    few = sum(task_grams), sum(u @ g for u, g in zip(vectors, task_grams))
+    w = balance(task_grams, task_balance)
+    few = sum(a * g for a, g in zip(w, task_grams)), sum(a * u @ g for a, u, g in zip(w, vectors, task_grams))
     if gram_mode == "activations":
         return few
     (few_g, few_c), (free_g, free_c) = _normalised(*few), _normalised(*free)
@@ -58,6 +82,7 @@ def expected_bmm_merge(
     grams: dict[str, dict[str, torch.Tensor]] | None = None,
     epsilon: float = 0.5,
     experts: Sequence[Path] | None = None,
+    task_balance: str = "none",
 ) -> dict[str, torch.Tensor]:
     """Every output tensor of a Task-Arithmetic-anchored bmm merge of ``family``, in float64.
 
@@ -79,7 +104,7 @@ def expected_bmm_merge(
         flip = (lambda m: m.T) if info.stored_in_out else (lambda m: m)
         vectors = [flip(v) for v in vectors]
         task_grams = [grams[str(path)][name].double() for path in experts] if grams is not None else None
-        gram, cross = normal_equations(vectors, gram_mode, task_grams, epsilon)
+        gram, cross = normal_equations(vectors, gram_mode, task_grams, epsilon, task_balance)
         merged = ridge_solve(gram, cross, flip(anchor), _value(lam, name))
         expected[name] = w_pre + _value(scale, name) * flip(merged)
     return expected

@@ -101,6 +101,28 @@ def test_data_assisted_matches_float64_reference(tiny_llama, llama_stats, tmp_pa
     )
 
 
+@pytest.mark.parametrize("task_balance", ["trace", "frobenius", "adaptive"])
+@pytest.mark.parametrize("gram", ["data_free", "activations", "mix"])
+def test_task_balance_matches_float64_reference(gram, task_balance, tiny_llama, llama_stats, tmp_path):
+    config = recipe(
+        tiny_llama,
+        gram,
+        llama_stats if gram != "data_free" else None,
+        compute_dtype="float64",
+        task_balance=task_balance,
+    )
+    got = merge(config, tmp_path / "out")
+    grams = stored_grams(llama_stats) if gram != "data_free" else None
+    expected = expected_bmm_merge(
+        tiny_llama, WEIGHTS, 0.05, gram_mode=gram, grams=grams, task_balance=task_balance
+    )
+    error, name = worst_error(got, expected)
+    assert error < 1e-8, (name, error)  # Cholesky against LU on the reweighted system, both float64
+    if task_balance == "trace":
+        plain = expected_bmm_merge(tiny_llama, WEIGHTS, 0.05, gram_mode=gram, grams=grams)
+        assert worst_error(got, plain)[0] > 1e-6, "balance changes the merge of unequal tasks"
+
+
 def test_lambda_zero_is_regmean_on_task_vectors(tiny_llama, llama_stats, tmp_path):
     config = recipe(
         tiny_llama, "activations", llama_stats, compute_dtype="float64", anchor_method="pretrained"

@@ -5,7 +5,8 @@ Under a local linear model the input covariance of task t shows in the rows of i
 RegMean-style closed form ``(Σ τ_t Σ_t)(Σ Σ_t)⁻¹``. As the authors' public code does, per weight:
 
 1. **Adaptive normalisation.** With ``c_t = ‖τ_t‖²_F``, ``γ = Var(log c) / mean(log c)²`` (unbiased
-   variance over tasks). When ``γ > GAMMA_THRESHOLD`` the tasks' scales are heterogeneous and each
+   variance over tasks; :func:`mergekit_bmm.core.task_balance.heterogeneous`). When ``γ > 0.3`` the
+   tasks' scales are heterogeneous and each
    ``Σ_t`` (and its ridge ``ε``) is divided by its trace, so that every task weighs the same.
 2. **Collective structural prior.** The column means of ``Σ_t Σ_t`` (divided by the mean ``c_t``
    when normalised) are added to every row of the system matrix.
@@ -23,20 +24,17 @@ from collections.abc import Sequence
 import torch
 
 from mergekit_bmm.anchors.common import as_matrices
+from mergekit_bmm.core.task_balance import heterogeneous
 
-GAMMA_THRESHOLD = 0.3
 DEFAULT_RIDGE = 1e-2
 DEFAULT_RANK_FRACTION = 0.3
 _TINY = 1e-12
 
 
 def heterogeneous_scales(task_vectors: Sequence[torch.Tensor]) -> bool:
-    """Whether the tasks' update sizes differ enough (γ > 0.3) to normalise each covariance."""
-    if len(task_vectors) < 2:
-        return False
-    log_traces = torch.log(torch.stack([vector.square().sum() for vector in task_vectors]).double() + _TINY)
-    gamma = log_traces.var() / (log_traces.mean().square() + _TINY)
-    return bool(gamma > GAMMA_THRESHOLD)
+    """Whether the tasks' update sizes differ enough (γ > 0.3) to normalise each covariance
+    (the rule bmm's ``task_balance: adaptive`` shares)."""
+    return heterogeneous([float(vector.square().sum()) for vector in task_vectors])
 
 
 def ace_merge(

@@ -36,6 +36,7 @@ from typing import Literal
 
 import torch
 
+from mergekit_bmm.core.task_balance import balance_weights, size_kind
 from mergekit_bmm.errors import ConfigError, TensorInputError
 
 LambdaMode = Literal["relative", "absolute"]
@@ -89,52 +90,74 @@ def _stack(task_vectors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[tor
 
 
 def data_free_equations(
-    task_vectors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32
+    task_vectors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32, balance: str = "none"
 ) -> NormalEquations:
-    """``G = Σ U_tᵀU_t`` and ``C = Σ U_t U_tᵀU_t`` (paper eq. for data-free BMM).
+    """``G = Σ w_t U_tᵀU_t`` and ``C = Σ w_t U_t U_tᵀU_t`` (paper eq. for data-free BMM; ``w_t = 1``
+    unless ``balance`` weighs the tasks, see :mod:`mergekit_bmm.core.task_balance`).
 
     ``C`` is formed as ``Σ (U_t U_tᵀ) U_t`` when ``out < in`` (cheaper), else as
     ``Σ U_t (U_tᵀ U_t)``; both are the same matrix.
     """
     vectors = _stack(task_vectors, dtype)
     out_features, in_features = vectors[0].shape
+    weights = balance_weights([_update_size(v, size_kind(balance)) for v in vectors], balance)
     gram = vectors[0].new_zeros((in_features, in_features))
     cross = vectors[0].new_zeros((out_features, in_features))
-    for vector in vectors:
+    for vector, weight in zip(vectors, weights):
         task_gram = vector.T @ vector
-        gram += task_gram
+        gram.add_(task_gram, alpha=weight)
         if out_features < in_features:
-            cross += (vector @ vector.T) @ vector
+            cross.add_((vector @ vector.T) @ vector, alpha=weight)
         else:
-            cross += vector @ task_gram
+            cross.add_(vector @ task_gram, alpha=weight)
         del task_gram
     return NormalEquations(gram, cross)
+
+
+def _update_size(vector: torch.Tensor, kind: str | None) -> float:
+    """``tr(U_tᵀU_t)`` or ``‖U_tᵀU_t‖_F`` of one task's update (0 when no balance asks for it)."""
+    if kind is None:
+        return 0.0
+    if kind == "trace":
+        return float(vector.square().sum())
+    small = vector @ vector.T if vector.shape[0] < vector.shape[1] else vector.T @ vector
+    return float(small.norm())
 
 
 def activation_equations(
     task_vectors: Sequence[torch.Tensor],
     activation_grams: Sequence[torch.Tensor],
     dtype: torch.dtype = torch.float32,
+    balance: str = "none",
 ) -> NormalEquations:
-    """``G = Σ G_t`` and ``C = Σ U_t G_t`` from per-task activation Grams (data-assisted)."""
+    """``G = Σ w_t G_t`` and ``C = Σ w_t U_t G_t`` from per-task activation Grams (data-assisted;
+    ``w_t = 1`` unless ``balance`` weighs the tasks by ``tr(G_t)`` or ``‖G_t‖_F``)."""
     vectors = _stack(task_vectors, dtype)
     if len(activation_grams) != len(vectors):
         raise TensorInputError(
             f"got {len(activation_grams)} activation Grams for {len(vectors)} task vectors"
         )
     out_features, in_features = vectors[0].shape
-    gram = vectors[0].new_zeros((in_features, in_features))
-    cross = vectors[0].new_zeros((out_features, in_features))
-    for index, (vector, task_gram) in enumerate(zip(vectors, activation_grams)):
+    for index, task_gram in enumerate(activation_grams):
         if task_gram.shape != (in_features, in_features):
             raise TensorInputError(
                 f"activation Gram {index} has shape {tuple(task_gram.shape)}, expected "
                 f"({in_features}, {in_features}) for a weight of shape ({out_features}, {in_features})"
             )
+    kind = size_kind(balance)
+    sizes = [0.0 if kind is None else _gram_size(g, kind) for g in activation_grams]
+    weights = balance_weights(sizes, balance)
+    gram = vectors[0].new_zeros((in_features, in_features))
+    cross = vectors[0].new_zeros((out_features, in_features))
+    for vector, task_gram, weight in zip(vectors, activation_grams, weights):
         task_gram = task_gram.to(device=vector.device, dtype=dtype)
-        gram += task_gram
-        cross += vector @ task_gram
+        gram.add_(task_gram, alpha=weight)
+        cross.add_(vector @ task_gram, alpha=weight)
     return NormalEquations(gram, cross)
+
+
+def _gram_size(gram: torch.Tensor, kind: str) -> float:
+    return float(torch.diagonal(gram).double().sum()) if kind == "trace" else float(gram.double().norm())
 
 
 def mix_equations(few_shot: NormalEquations, data_free: NormalEquations, epsilon: float) -> NormalEquations:

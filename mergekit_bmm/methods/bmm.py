@@ -235,7 +235,9 @@ class BMMMerge(GroupMergeMethod):
         """G and C for the configured Gram mode."""
         data_free = None
         if settings.gram in ("data_free", "mix"):
-            data_free = closed_form.data_free_equations(task_vectors, settings.compute_dtype)
+            data_free = closed_form.data_free_equations(
+                task_vectors, settings.compute_dtype, settings.task_balance
+            )
             if settings.gram == "data_free":
                 return data_free
         from mergekit_bmm.stats.store import activation_grams_for
@@ -243,7 +245,9 @@ class BMMMerge(GroupMergeMethod):
         d_in = task_vectors[0].shape[1]
         grams = activation_grams_for(settings.stats, group.metadata.name, [e.id for e in tasks], d_in=d_in)
         grams = [g.to(device=task_vectors[0].device) for g in grams]
-        few = closed_form.activation_equations(task_vectors, grams, settings.compute_dtype)
+        few = closed_form.activation_equations(
+            task_vectors, grams, settings.compute_dtype, settings.task_balance
+        )
         if settings.gram == "activations":
             return few
         return closed_form.mix_equations(few, data_free, settings.epsilon)

@@ -84,6 +84,13 @@ def own_parameters() -> tuple[ParameterSpec, ...]:
         ),
         CheckedParameter("epsilon", float, shared, default=0.5, description="number in [0, 1]"),
         CheckedParameter(
+            "task_balance",
+            Literal["none", "trace", "frobenius", "adaptive"],
+            shared,
+            default="none",
+            description="task balance (none, trace, frobenius or adaptive)",
+        ),
+        CheckedParameter(
             "stats", str | None, shared, default=None, description="path to a statistics directory"
         ),
         CheckedParameter(
@@ -187,6 +194,7 @@ class BMMSettings:
     lambda_mode: str
     epsilon: float
     stats: str | None
+    task_balance: str
     compute_dtype: torch.dtype
     weight_layout: str
     anchor_seed: int
@@ -204,6 +212,7 @@ class BMMSettings:
             lambda_mode=parameters["lambda_mode"],
             epsilon=parameters["epsilon"],
             stats=parameters["stats"],
+            task_balance=parameters.get("task_balance") or "none",
             compute_dtype=dtype,
             weight_layout=parameters["weight_layout"],
             anchor_seed=parameters["anchor_seed"],

@@ -167,6 +167,8 @@ def factor_key(settings: BMMSettings, source: AnchorSource, transpose: bool) -> 
         transpose=transpose,
         precision=str(settings.cache_dtype) if settings.cache_dtype is not None else "auto",
     )
+    if settings.task_balance != "none":  # caches filled before task balance keep their keys
+        description["balance"] = settings.task_balance
     return _dump(description)
 
 
