@@ -1,6 +1,6 @@
 """The GPU check: bmm on an accelerator, measured, in one command (6.5 minutes on an H200).
 
-Four parts, each printed as a table and kept in ``--out`` (JSON):
+Five parts (the first four by default), each printed as a table and kept in ``--out`` (JSON):
 
 1. **accuracy** — bmm data-free, activations and mix merged on ``--device`` (float32 compute)
    against the float64 CPU merge of the same recipe: the largest relative error of any
@@ -14,6 +14,9 @@ Four parts, each printed as a table and kept in ``--out`` (JSON):
 4. **billion** — a Llama-3.2-1B-shaped family (hidden 2048, 16 layers, MLP 8192, 32 heads /
    8 KV heads, bfloat16, T = 3, random weights made locally): Task Arithmetic and bmm
    data-free, wall time, peak GPU memory and peak RSS.
+5. **search3b** — part 3 on a Llama-3.2-3B-shaped family (hidden 3072, 28 layers, MLP 8192,
+   24 heads / 8 KV heads, T = 3): the start-up (model load and factor-cache fill) and one
+   resident trial's merge and evaluation, against the paper's ≈ 8 s of closed form per trial.
 
     python bench/gpu_check.py --device cuda --out bench/results/gpu-check.json     # on a GPU
     python bench/gpu_check.py --device cpu --size small                            # the CPU run (tested)
@@ -45,15 +48,22 @@ from bench.merge_speed import DEFAULT_CACHE, closed_form_floor, recipe, run_chil
 from mergekit_bmm.io.atomic import atomic_write_text  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads
-    "small": {"tiny": (64, 128, 2, 4, 2), "smollm2": None, "billion": (256, 1024, 2, 8, 2)},
+    "small": {
+        "tiny": (64, 128, 2, 4, 2),
+        "smollm2": None,
+        "billion": (256, 1024, 2, 8, 2),
+        "3b": (96, 192, 2, 6, 2),
+    },
     "full": {
         "tiny": (64, 128, 2, 4, 2),
         "smollm2": (576, 1536, 30, 9, 3),
         "billion": (2048, 8192, 16, 32, 8),
+        "3b": (3072, 8192, 28, 24, 8),
     },
 }
 GRAMS = ("data_free", "activations", "mix")
-PARTS = ("accuracy", "speed", "search", "billion")
+PARTS = ("accuracy", "speed", "search", "billion", "search3b")
+DEFAULT_PARTS = PARTS[:4]  # search3b generates a 23 GB family: asked for by name
 
 
 def family(models: Path, shape: tuple[int, int, int, int, int]) -> dict:
@@ -149,12 +159,12 @@ def speed(models: Path, scratch: Path, device: str, size: str) -> dict:
 
 
 # -- 3. search ----------------------------------------------------------------------------
-def search(models: Path, scratch: Path, device: str, size: str, budget: int) -> dict:
+def search(models: Path, scratch: Path, device: str, size: str, budget: int, shape: str = "smollm2") -> dict:
     from bench.search_throughput import texts
     from mergekit_bmm.search.config import parse_search_config
     from mergekit_bmm.search.loop import SearchOptions, run_search
 
-    fam = family(models, SHAPES[size]["smollm2"] or SHAPES[size]["tiny"])
+    fam = family(models, SHAPES[size][shape] or SHAPES[size]["tiny"])
     workers = max(1, torch.cuda.device_count()) if device.startswith("cuda") else 1
     config = parse_search_config(
         {
@@ -174,9 +184,14 @@ def search(models: Path, scratch: Path, device: str, size: str, budget: int) -> 
     )
     options = SearchOptions(device=device, progress=False, plots=False, skip_best=True)
     started = time.perf_counter()
-    result = run_search(config, scratch / "search", options)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    result = run_search(config, scratch / f"search-{shape}", options)
     wall = time.perf_counter() - started
     return {
+        "shape": SHAPES[size][shape] or SHAPES[size]["tiny"],
+        "startup_seconds": result.summary.startup_seconds,
+        "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None,
         "workers": workers,
         "trials": len(result.records),
         "trials_mode": result.summary.trials,
@@ -206,7 +221,7 @@ def report(result: dict) -> str:
     """The tables of the parts that ran; a part that failed or did not run says so in one line."""
     lines = [f"GPU check on {result['machine']}, device {result['device']}, sizes {result['size']}"]
     tables = {"accuracy": _accuracy_table, "speed": _speed_table, "search": _search_table,
-              "billion": _billion_table}  # fmt: skip
+              "billion": _billion_table, "search3b": _search_table}  # fmt: skip
     for part in PARTS:
         found = result.get(part)
         if found is None:
@@ -245,10 +260,19 @@ def _speed_table(speed_part: dict) -> list[str]:
 
 
 def _search_table(found: dict) -> list[str]:
-    return [
+    lines = [
         f"search: {found['trials']} resident trials ({found['trials_mode']}) on {found['workers']} "
         f"worker(s): {found['trials_per_hour']:.0f} trials/hour"
     ]
+    if "startup_seconds" in found:  # figures recorded since the 3B part
+        hidden, intermediate, layers, _, _ = found["shape"]
+        mean = found["mean_seconds"]
+        lines.append(
+            f"  (hidden {hidden}, intermediate {intermediate}, {layers} layers, T = 3) start-up "
+            f"{found['startup_seconds']:.1f} s; per trial: merge {mean.get('merge', 0):.2f} s, "
+            f"evaluation {mean.get('evaluate', 0):.2f} s, GP {mean.get('surrogate', 0):.2f} s"
+        )
+    return lines
 
 
 def _billion_table(big: dict) -> list[str]:
@@ -270,8 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=None, help="JSON with every figure")
     parser.add_argument(
         "--parts",
-        default=",".join(PARTS),
-        help="which parts to run, in this order (comma-separated; default: all)",
+        default=",".join(DEFAULT_PARTS),
+        help=f"which parts to run, in this order (comma-separated; default: {','.join(DEFAULT_PARTS)})",
     )
     args = parser.parse_args(argv)
     parts = [part.strip() for part in args.parts.split(",") if part.strip()]
@@ -286,6 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
             "accuracy": lambda: accuracy(args.models, scratch, args.device, size),
             "speed": lambda: speed(args.models, scratch, args.device, size),
             "search": lambda: search(args.models, scratch, args.device, size, args.budget),
+            "search3b": lambda: search(args.models, scratch, args.device, size, args.budget, "3b"),
             "billion": lambda: billion(args.models, scratch, args.device, size),
         }
         for part in parts:
