@@ -137,7 +137,7 @@ def warm_up() -> None:
     from mergekit_bmm.plugin import activate
 
     activate()
-    from mergekit_bmm.anchors import iso_cts_merge, regmean_merge, tsv_merge, wudi_merge
+    from mergekit_bmm.core import iso_cts_merge, regmean_merge, tsv_merge, wudi_merge
 
     vectors = [torch.randn(8, 6) for _ in range(2)]
     wudi_merge(vectors, iterations=2)  # first Adam step imports torch's compiler stack

@@ -119,7 +119,7 @@ def register_io_floor() -> None:
     from mergekit.merge_methods.base import BasePolicy, InputContract
     from mergekit.merge_methods.easy_define import merge_method
 
-    from mergekit_bmm.methods.registry import registered_names
+    from mergekit_bmm.merge_methods.registry import registered_names
 
     if "bench_io_floor" in registered_names():
         return

@@ -1,7 +1,7 @@
 """Bayesian Model Merging (BMM) for mergekit.
 
-Importing the package has no side effects: the mathematics (``mergekit_bmm.core``,
-``mergekit_bmm.anchors``) works without mergekit. mergekit learns about ``bmm`` through
+Importing the package has no side effects: the mathematics of every merge
+(``mergekit_bmm.core``) works without mergekit. mergekit learns about ``bmm`` through
 the start-up hook an installed wheel ships, or through :func:`activate`.
 """
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import relative_error
 
-from mergekit_bmm.anchors import (
+from mergekit_bmm.core import (
     ace_merge,
     iso_c_merge,
     iso_cts_merge,
@@ -516,7 +516,7 @@ def reference_ace(vectors, eps=1e-2, k_frac=0.3):
 def test_ace_matches_reference(case, spread):
     shape, tasks = case
     vectors = [v * 0.01 * spread**index for index, v in enumerate(task_vectors(shape, tasks, seed=7))]
-    from mergekit_bmm.anchors.ace import heterogeneous_scales
+    from mergekit_bmm.core.ace import heterogeneous_scales
 
     assert heterogeneous_scales(vectors) == (spread > 1.0)
     assert relative_error(ace_merge(vectors), reference_ace(vectors)) < 1e-10

@@ -17,7 +17,7 @@ import torch
 import yaml
 from conftest import load_weights, reference_solve, relative_error
 
-from mergekit_bmm.anchors import iso_c_merge, iso_cts_merge, regmean_merge, tsv_merge, wudi_merge
+from mergekit_bmm.core import iso_c_merge, iso_cts_merge, regmean_merge, tsv_merge, wudi_merge
 from mergekit_bmm.core.module_map import classify
 from mergekit_bmm.examples.synthetic_stats import stats_for_family
 

@@ -9,7 +9,7 @@ import torch
 from conftest import reference_solve, relative_error
 from mergekit.merge_methods.api import merge_tensors
 
-from mergekit_bmm.anchors import ace_merge, iso_c_merge, iso_cts_merge, regmean_merge, tsv_merge, wudi_merge
+from mergekit_bmm.core import ace_merge, iso_c_merge, iso_cts_merge, regmean_merge, tsv_merge, wudi_merge
 from mergekit_bmm.errors import BMMError, ConfigError, StatisticsError, TensorInputError
 from mergekit_bmm.examples.synthetic_stats import random_gram, write_stats
 

@@ -248,7 +248,7 @@ def test_every_parameter_range_is_checked_at_its_boundaries():
     import math
 
     from mergekit_bmm.errors import ConfigError
-    from mergekit_bmm.methods.parameter_ranges import RANGES, check_range
+    from mergekit_bmm.merge_methods.parameter_ranges import RANGES, check_range
 
     for (owner, name), allowed in RANGES.items():
         low, high = allowed.low, allowed.high

@@ -390,7 +390,7 @@ def test_search_card_needs_a_summary(tmp_path):
 
 
 def test_hub_ids_are_known_without_asking_the_hub(tmp_path):
-    from mergekit_bmm.recipes.view import hub_id_of, local_folder
+    from mergekit_bmm.cards.recipe_view import hub_id_of, local_folder
 
     snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.2-1B" / "snapshots" / "0123abcd"
     snapshot.mkdir(parents=True)

@@ -9,7 +9,7 @@ import torch
 import yaml
 from conftest import load_weights, relative_error
 
-from mergekit_bmm.methods.factor_cache import FactorCache
+from mergekit_bmm.factor_cache.store import FactorCache
 from mergekit_bmm.sampling.run import SamplingRequest, sample_models
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,7 @@ import sys
 sys.modules["mergekit"] = None  # any `import mergekit...` now raises ImportError
 import torch
 from mergekit_bmm.core import closed_form, module_map
-from mergekit_bmm import anchors
-from mergekit_bmm.anchors import iso, regmean, tsv, wudi
+from mergekit_bmm.core import ace, iso, regmean, tsv, wudi
 vectors = [torch.randn(6, 5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
 merged = closed_form.merge_matrix(closed_form.data_free_equations(vectors), torch.zeros(6, 5), 0.1)
 print(tuple(merged.shape), module_map.classify("model.layers.0.mlp.down_proj.weight").group.value,
@@ -67,7 +66,9 @@ def test_dependencies_point_down_the_pipeline():
     search, pools and workers never import what places them."""
     import ast
 
-    assert not {m for m in _imports("methods") if m.startswith("mergekit_bmm.plugin")}
+    for folder in ("merge_methods", "factor_cache", "core"):
+        assert not {m for m in _imports(folder) if m.startswith("mergekit_bmm.plugin")}, folder
+    assert not {m for m in _imports("core") if not m.startswith("mergekit_bmm.core")}
     search = {}
     for name in ("runners", "workers", "pools"):
         tree = ast.parse((ROOT / "mergekit_bmm" / "search" / f"{name}.py").read_text(encoding="utf-8"))
@@ -79,3 +80,13 @@ def test_dependencies_point_down_the_pipeline():
         assert not imported & {"placement", "pools", "ray_pool"}, (name, imported)
         search[name] = imported
     assert "workers" not in search["runners"] and "pools" not in search["workers"]
+
+
+def test_the_old_import_path_of_the_merge_math_still_works_and_says_where_it_moved():
+    code = (
+        "import warnings; warnings.simplefilter('always'); "
+        "from mergekit_bmm.anchors import tsv_merge; print(tsv_merge.__module__)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "mergekit_bmm.core.tsv"
+    assert "moved to mergekit_bmm.core" in result.stderr

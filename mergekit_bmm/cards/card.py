@@ -31,14 +31,14 @@ from mergekit_bmm.cards.merge_record import (
     read_record,
     write_record,
 )
-from mergekit_bmm.errors import BMMError, ConfigError
-from mergekit_bmm.recipes.view import (
+from mergekit_bmm.cards.recipe_view import (
     ROLE_BASE,
     InputModel,
     RecipeView,
     describe_recipe,
     format_value,
 )
+from mergekit_bmm.errors import BMMError, ConfigError
 
 if TYPE_CHECKING:  # the search writes the summary; the card only reads it
     from mergekit_bmm.search.summary import SearchSummary
@@ -185,7 +185,7 @@ def front_matter(view: RecipeView, extra_tags: Sequence[str] = ()) -> str:
 def _anchor_section(view: RecipeView) -> list[str]:
     from mergekit.merge_methods.base import ParameterScope
 
-    from mergekit_bmm.methods.bmm_parameters import (
+    from mergekit_bmm.merge_methods.bmm_parameters import (
         ANCHOR_PREFIX,
         DEFAULT_ANCHOR,
         OWN_NAMES,

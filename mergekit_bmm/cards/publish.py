@@ -108,7 +108,7 @@ def _changed_weights(folder: Path, record: MergeRecord) -> str:
 
 def _apply_base_model_ids(card, mapping: Mapping[str, str]) -> list[str]:
     """``base_model`` with local folders replaced by the given ids ("" drops an entry)."""
-    from mergekit_bmm.recipes.view import local_folder
+    from mergekit_bmm.cards.recipe_view import local_folder
 
     current = card.data.base_model or []
     if isinstance(current, str):

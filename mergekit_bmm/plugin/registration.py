@@ -6,19 +6,19 @@ more than once per process (start-up hook, explicit activation, tests), so check
 
 from __future__ import annotations
 
-from mergekit_bmm.methods.registry import registered_names
+from mergekit_bmm.merge_methods.registry import registered_names
 
 PLUGIN_METHOD_NAMES = frozenset({"bmm", "tsv", "iso_c", "iso_cts", "wudi", "regmean", "ace"})
 
 
 def plugin_methods() -> tuple:
-    from mergekit_bmm.methods.ace import ACEMerge
-    from mergekit_bmm.methods.bmm import BMMMerge
-    from mergekit_bmm.methods.iso_c import IsoCMerge
-    from mergekit_bmm.methods.iso_cts import IsoCTSMerge
-    from mergekit_bmm.methods.regmean import RegMeanMerge
-    from mergekit_bmm.methods.tsv import TSVMerge
-    from mergekit_bmm.methods.wudi import WUDIMerge
+    from mergekit_bmm.merge_methods.ace import ACEMerge
+    from mergekit_bmm.merge_methods.bmm import BMMMerge
+    from mergekit_bmm.merge_methods.iso_c import IsoCMerge
+    from mergekit_bmm.merge_methods.iso_cts import IsoCTSMerge
+    from mergekit_bmm.merge_methods.regmean import RegMeanMerge
+    from mergekit_bmm.merge_methods.tsv import TSVMerge
+    from mergekit_bmm.merge_methods.wudi import WUDIMerge
 
     return (BMMMerge(), TSVMerge(), IsoCMerge(), IsoCTSMerge(), WUDIMerge(), RegMeanMerge(), ACEMerge())
 

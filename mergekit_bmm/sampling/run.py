@@ -30,8 +30,8 @@ import torch
 from tqdm import tqdm
 
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.methods.bmm import checked_output
-from mergekit_bmm.methods.observer import SolvedTensor, listening
+from mergekit_bmm.merge_methods.bmm import checked_output
+from mergekit_bmm.merge_methods.observer import SolvedTensor, listening
 from mergekit_bmm.sampling import layout
 from mergekit_bmm.sampling.posterior import RowPosterior, check_beta, check_sigma, standard_normal
 

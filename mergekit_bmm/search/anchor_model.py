@@ -3,7 +3,7 @@
 The anchor is, as in ``bmm`` itself: an input marked ``anchor: true`` (scored as is),
 the base model for ``anchor_method: pretrained``, or otherwise the anchor method run as
 an ordinary mergekit recipe on the same base and experts with the parameters ``bmm``
-would forward to it (:func:`~mergekit_bmm.methods.bmm_parameters.anchor_parameters`, the rule
+would forward to it (:func:`~mergekit_bmm.merge_methods.bmm_parameters.anchor_parameters`, the rule
 ``bmm`` itself uses; ``anchor.yml`` in ``OUT_PATH``; ``mergekit-yaml anchor.yml`` rebuilds it).
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mergekit_bmm.methods.bmm_parameters import DEFAULT_ANCHOR, PRETRAINED_ANCHOR, anchor_parameters
+from mergekit_bmm.merge_methods.bmm_parameters import DEFAULT_ANCHOR, PRETRAINED_ANCHOR, anchor_parameters
 
 
 @dataclass(frozen=True)

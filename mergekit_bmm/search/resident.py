@@ -31,8 +31,8 @@ from mergekit_bmm.core.module_map import classify, layer_index
 from mergekit_bmm.devices import available_bytes
 from mergekit_bmm.evaluation.base import ModelLoading, load_model, load_tokenizer
 from mergekit_bmm.io.model_folder import model_type_of
-from mergekit_bmm.methods import observer
-from mergekit_bmm.methods.bmm import checked_output
+from mergekit_bmm.merge_methods import observer
+from mergekit_bmm.merge_methods.bmm import checked_output
 from mergekit_bmm.recipes import run as recipe_run
 from mergekit_bmm.search.fidelity import evaluate_trial
 from mergekit_bmm.search.space import SearchSpace

@@ -1,4 +1,4 @@
-"""``merge_method: wudi`` — WUDI-Merging, see :mod:`mergekit_bmm.anchors.wudi`.
+"""``merge_method: wudi`` — WUDI-Merging, see :mod:`mergekit_bmm.core.wudi`.
 
 WUDI has no output scale (``W = W_pre + τ_m``, as the reference). The Adam solver runs
 ``iterations`` steps per 2D body weight, ``out·in²`` flops each: on large models run it on a
@@ -12,9 +12,9 @@ from typing import Literal
 
 from mergekit.merge_methods.base import ParameterScope
 
-from mergekit_bmm.anchors.wudi import wudi_merge
-from mergekit_bmm.methods.parameter_ranges import CheckedParameter
-from mergekit_bmm.methods.task_vector_method import TaskVectorMethod
+from mergekit_bmm.core.wudi import wudi_merge
+from mergekit_bmm.merge_methods.parameter_ranges import CheckedParameter
+from mergekit_bmm.merge_methods.task_vector_method import TaskVectorMethod
 
 DEFAULT_ITERATIONS = 300
 DEFAULT_LEARNING_RATE = 1e-5

@@ -1,6 +1,6 @@
 """``merge_method: regmean`` — RegMean from per-task activation Grams.
 
-The math is in :mod:`mergekit_bmm.anchors.regmean`.
+The math is in :mod:`mergekit_bmm.core.regmean`.
 
 The Grams come from a statistics directory (``stats:``, written by ``mergekit-bmm-stats``;
 format in :mod:`mergekit_bmm.stats.store`), read only through
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from mergekit.merge_methods.base import ParameterScope
 
-from mergekit_bmm.anchors.regmean import DEFAULT_OFF_DIAGONAL_SCALE, regmean_merge
+from mergekit_bmm.core.regmean import DEFAULT_OFF_DIAGONAL_SCALE, regmean_merge
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.methods.parameter_ranges import CheckedParameter
-from mergekit_bmm.methods.task_vector_method import TaskVectorMethod
+from mergekit_bmm.merge_methods.parameter_ranges import CheckedParameter
+from mergekit_bmm.merge_methods.task_vector_method import TaskVectorMethod
 
 
 class RegMeanMerge(TaskVectorMethod):

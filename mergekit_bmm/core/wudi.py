@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from mergekit_bmm.anchors.common import as_matrices, solve_normal
+from mergekit_bmm.core.merge_tools import as_matrices, solve_normal
 from mergekit_bmm.errors import ConfigError
 
 WudiSolver = Literal["adam", "closed_form"]

@@ -6,7 +6,7 @@
 2. ``anchor_method: pretrained`` — the base itself (U0 = 0);
 3. any registered mergekit method, run on the same base and experts through its public
    ``__call__`` with its own parameters forwarded from the recipe
-   (:func:`~mergekit_bmm.methods.bmm_parameters.anchor_value`: ``anchor_<name>`` first, then
+   (:func:`~mergekit_bmm.merge_methods.bmm_parameters.anchor_value`: ``anchor_<name>`` first, then
    ``<name>``; of BMM's own names only ``stats`` also reaches the anchor, so one
    statistics directory serves data-assisted BMM and a ``regmean`` anchor).
 
@@ -31,7 +31,7 @@ from mergekit.merge_methods.base import (
 )
 
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.methods.bmm_parameters import DEFAULT_ANCHOR, PRETRAINED_ANCHOR, anchor_value
+from mergekit_bmm.merge_methods.bmm_parameters import DEFAULT_ANCHOR, PRETRAINED_ANCHOR, anchor_value
 
 
 def _model_label(entry_id: Any) -> str:

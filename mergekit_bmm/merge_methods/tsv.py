@@ -1,9 +1,9 @@
-"""``merge_method: tsv`` — Task Singular Vectors merge (TSV-M), see :mod:`mergekit_bmm.anchors.tsv`."""
+"""``merge_method: tsv`` — Task Singular Vectors merge (TSV-M), see :mod:`mergekit_bmm.core.tsv`."""
 
 from __future__ import annotations
 
-from mergekit_bmm.anchors.tsv import tsv_merge
-from mergekit_bmm.methods.task_vector_method import TaskVectorMethod, alpha_parameter
+from mergekit_bmm.core.tsv import tsv_merge
+from mergekit_bmm.merge_methods.task_vector_method import TaskVectorMethod, alpha_parameter
 
 
 class TSVMerge(TaskVectorMethod):

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mergekit_bmm.anchors.common import as_matrices
+from mergekit_bmm.core.merge_tools import as_matrices
 from mergekit_bmm.core.task_balance import heterogeneous
 
 DEFAULT_RIDGE = 1e-2

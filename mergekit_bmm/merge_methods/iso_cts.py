@@ -1,15 +1,15 @@
 """``merge_method: iso_cts`` — isotropic merge in common and task-specific subspaces.
 
-See :mod:`mergekit_bmm.anchors.iso`.
+See :mod:`mergekit_bmm.core.iso`.
 """
 
 from __future__ import annotations
 
 from mergekit.merge_methods.base import ParameterScope
 
-from mergekit_bmm.anchors.iso import iso_cts_merge
-from mergekit_bmm.methods.parameter_ranges import CheckedParameter
-from mergekit_bmm.methods.task_vector_method import TaskVectorMethod, alpha_parameter
+from mergekit_bmm.core.iso import iso_cts_merge
+from mergekit_bmm.merge_methods.parameter_ranges import CheckedParameter
+from mergekit_bmm.merge_methods.task_vector_method import TaskVectorMethod, alpha_parameter
 
 DEFAULT_COMMON_SPACE_FRACTION = 0.8
 

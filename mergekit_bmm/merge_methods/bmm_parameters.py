@@ -24,7 +24,7 @@ import torch
 from mergekit.merge_methods.base import MergeMethodSpec, ParameterScope, ParameterSpec
 
 from mergekit_bmm.errors import ConfigError, shown
-from mergekit_bmm.methods.parameter_ranges import CheckedParameter
+from mergekit_bmm.merge_methods.parameter_ranges import CheckedParameter
 
 PRETRAINED_ANCHOR = "pretrained"
 DEFAULT_ANCHOR = "task_arithmetic"
@@ -33,7 +33,7 @@ ANCHOR_PREFIX = "anchor_"
 
 
 def _known_anchor(value: str) -> str:
-    from mergekit_bmm.methods.registry import registered_names
+    from mergekit_bmm.merge_methods.registry import registered_names
 
     names = registered_names() - {"bmm"}
     if value == PRETRAINED_ANCHOR or value in names:

@@ -12,7 +12,7 @@ averages over all ``r`` singular values and uses all ``r`` directions even when 
 rank-deficient (low-rank experts such as merged LoRA adapters, untouched modules). The
 extra directions are then arbitrary null-space vectors chosen by the SVD routine — the
 output changes with the library and device — and carry weight ``s̄``. Here directions
-with numerically zero singular values (see :func:`~mergekit_bmm.anchors.common.zero_tolerance`)
+with numerically zero singular values (see :func:`~mergekit_bmm.core.merge_tools.zero_tolerance`)
 are left out and ``s̄`` is the mean over the kept ones, which keeps the reference's
 invariant ``‖τ_ISO‖_* = ‖Σ‖_*`` for ISO-C. For full-rank inputs both are identical.
 """
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mergekit_bmm.anchors.common import as_matrices, orthonormal_factor, zero_tolerance
+from mergekit_bmm.core.merge_tools import as_matrices, orthonormal_factor, zero_tolerance
 from mergekit_bmm.errors import ConfigError
 
 

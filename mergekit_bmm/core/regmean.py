@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mergekit_bmm.anchors.common import as_matrices, mean_task_vector, solve_normal
+from mergekit_bmm.core.merge_tools import as_matrices, mean_task_vector, solve_normal
 from mergekit_bmm.errors import ConfigError, TensorInputError
 
 DEFAULT_OFF_DIAGONAL_SCALE = 0.5

@@ -32,11 +32,11 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
-from mergekit_bmm.anchors.common import compute_dtype, mean_task_vector
+from mergekit_bmm.core.merge_tools import compute_dtype, mean_task_vector
 from mergekit_bmm.core.module_map import ModuleInfo, classify
 from mergekit_bmm.io.model_folder import model_type_of
-from mergekit_bmm.methods.bmm import check_finite, checked_output
-from mergekit_bmm.methods.parameter_ranges import CheckedParameter
+from mergekit_bmm.merge_methods.bmm import check_finite, checked_output
+from mergekit_bmm.merge_methods.parameter_ranges import CheckedParameter
 
 
 def alpha_parameter(method: str) -> ParameterSpec:

@@ -1,9 +1,9 @@
-"""``merge_method: iso_c`` — isotropic merge in the common subspace, see :mod:`mergekit_bmm.anchors.iso`."""
+"""``merge_method: iso_c`` — isotropic merge in the common subspace, see :mod:`mergekit_bmm.core.iso`."""
 
 from __future__ import annotations
 
-from mergekit_bmm.anchors.iso import iso_c_merge
-from mergekit_bmm.methods.task_vector_method import TaskVectorMethod, alpha_parameter
+from mergekit_bmm.core.iso import iso_c_merge
+from mergekit_bmm.merge_methods.task_vector_method import TaskVectorMethod, alpha_parameter
 
 
 class IsoCMerge(TaskVectorMethod):

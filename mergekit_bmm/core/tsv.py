@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mergekit_bmm.anchors.common import as_matrices, mean_task_vector, orthonormal_factor, zero_tolerance
+from mergekit_bmm.core.merge_tools import as_matrices, mean_task_vector, orthonormal_factor, zero_tolerance
 
 
 def tsv_factors(task_vectors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

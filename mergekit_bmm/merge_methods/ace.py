@@ -1,15 +1,15 @@
 """``merge_method: ace`` — ACE-Merging, covariances estimated from the task vectors.
 
-See :mod:`mergekit_bmm.anchors.ace`.
+See :mod:`mergekit_bmm.core.ace`.
 """
 
 from __future__ import annotations
 
 from mergekit.merge_methods.base import ParameterScope
 
-from mergekit_bmm.anchors.ace import DEFAULT_RANK_FRACTION, DEFAULT_RIDGE, ace_merge
-from mergekit_bmm.methods.parameter_ranges import CheckedParameter
-from mergekit_bmm.methods.task_vector_method import TaskVectorMethod, alpha_parameter
+from mergekit_bmm.core.ace import DEFAULT_RANK_FRACTION, DEFAULT_RIDGE, ace_merge
+from mergekit_bmm.merge_methods.parameter_ranges import CheckedParameter
+from mergekit_bmm.merge_methods.task_vector_method import TaskVectorMethod, alpha_parameter
 
 
 class ACEMerge(TaskVectorMethod):

@@ -7,8 +7,8 @@ anchor's result unchanged. Inputs arrive one tensor at a time through mergekit's
 loader, so memory stays at one module's tensors (T experts + base + anchor).
 
 With ``cache: DIR`` the λ-independent eigen factors of each solved tensor are stored
-once (:mod:`mergekit_bmm.methods.factor_cache`, built by :mod:`~mergekit_bmm.methods.factor_fill`,
-keyed by :mod:`~mergekit_bmm.methods.cache_key`) and every later merge with any λ and s is a
+once (:mod:`mergekit_bmm.factor_cache.store`, built by :mod:`~mergekit_bmm.factor_cache.fill`,
+keyed by :mod:`~mergekit_bmm.factor_cache.key`) and every later merge with any λ and s is a
 single product per tensor.
 """
 
@@ -33,14 +33,14 @@ from mergekit.merge_methods.base import (
 from mergekit_bmm.core import closed_form
 from mergekit_bmm.core.module_map import classify, layer_index
 from mergekit_bmm.errors import NonFiniteOutputError, TensorInputError
+from mergekit_bmm.factor_cache import key as cache_key
+from mergekit_bmm.factor_cache.fill import fill_factors, thin_rank
+from mergekit_bmm.factor_cache.store import FactorCache
 from mergekit_bmm.io.model_folder import model_type_of
-from mergekit_bmm.methods import cache_key
-from mergekit_bmm.methods import observer as solved_tensors
-from mergekit_bmm.methods.anchor_merge import AnchorSource, resolve_anchor_method
-from mergekit_bmm.methods.bmm_parameters import BMMSettings, build_spec
-from mergekit_bmm.methods.factor_cache import FactorCache
-from mergekit_bmm.methods.factor_fill import fill_factors, thin_rank
-from mergekit_bmm.methods.observer import FactoredTensor, SolvedTensor
+from mergekit_bmm.merge_methods import observer as solved_tensors
+from mergekit_bmm.merge_methods.bmm_anchor import AnchorSource, resolve_anchor_method
+from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings, build_spec
+from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
 
 LOG = logging.getLogger("mergekit_bmm")
 
