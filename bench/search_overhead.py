@@ -107,8 +107,7 @@ def _merge_routes(family, work: Path, repeats: int) -> list[tuple[str, float, fl
     from mergekit_bmm.io.model_folder import weight_names_of
     from mergekit_bmm.recipes.run import merge_recipe_text as merge_text
     from mergekit_bmm.search import parse_search_config
-    from mergekit_bmm.search.space import SearchSpace
-    from mergekit_bmm.search.trial_recipes import TrialRecipes
+    from mergekit_bmm.search.space import SearchSpace, TrialRecipes
 
     recipe = {
         "merge_method": "bmm",

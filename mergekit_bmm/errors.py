@@ -247,3 +247,13 @@ def exit_on_bmm_error(verbose: bool = False, interrupted: str = "interrupted") -
         print(one_line(ours) if ours is not None else unexpected_line(error), file=sys.stderr)
         sys.stderr.flush()
         sys.exit(ours.exit_code if ours is not None else 1)
+
+
+class SearchStopped(BMMError):
+    """The search cannot go on (too many failed trials, an evaluator that is misconfigured)."""
+
+    exit_code = 3
+
+
+class OutputFolderError(BMMError):
+    """``OUT_PATH`` holds something this run must not touch (another experiment, a running search)."""

@@ -62,24 +62,33 @@ def _imports(folder: str) -> set[str]:
 
 
 def test_dependencies_point_down_the_pipeline():
-    """No import circles: the methods never ask the plugin (it registers them), and inside the
-    search, pools and workers never import what places them."""
+    """No import circles: the methods never ask the plugin (it registers them), the mathematics
+    imports nothing of ours but its errors, and inside the search a trial never imports what places it."""
     import ast
 
     for folder in ("merge_methods", "factor_cache", "core"):
         assert not {m for m in _imports(folder) if m.startswith("mergekit_bmm.plugin")}, folder
-    assert not {m for m in _imports("core") if not m.startswith("mergekit_bmm.core")}
+    assert not {m for m in _imports("core") if not m.startswith(("mergekit_bmm.core", "mergekit_bmm.errors"))}
     search = {}
-    for name in ("runners", "workers", "pools"):
+    for name in ("trials", "workers"):
         tree = ast.parse((ROOT / "mergekit_bmm" / "search" / f"{name}.py").read_text(encoding="utf-8"))
-        imported = {
+        search[name] = {
             node.module.rsplit(".", 1)[-1]
             for node in ast.walk(tree)
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mergekit_bmm.search.")
         }
-        assert not imported & {"placement", "pools", "ray_pool"}, (name, imported)
-        search[name] = imported
-    assert "workers" not in search["runners"] and "pools" not in search["workers"]
+        assert not search[name] & {"pools", "ray_pool"}, (name, search[name])
+    assert "workers" not in search["trials"]
+
+
+def test_the_search_reads_as_a_short_list_of_modules_each_saying_its_job():
+    import ast
+
+    modules = sorted((ROOT / "mergekit_bmm" / "search").glob("*.py"))
+    assert len(modules) <= 17  # 16 and __init__
+    for path in modules:
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        assert docstring and len(docstring.splitlines()[0]) <= 110, path.name
 
 
 def test_the_old_import_path_of_the_merge_math_still_works_and_says_where_it_moved():

@@ -82,8 +82,7 @@ def target(family, tmp_path_factory):
     """The merge at the known optimum TARGET (1 block), made exactly as a trial is."""
     from mergekit_bmm.io.model_folder import weight_names_of
     from mergekit_bmm.recipes.run import merge_recipe_text as merge_text
-    from mergekit_bmm.search.space import SearchSpace
-    from mergekit_bmm.search.trial_recipes import TrialRecipes
+    from mergekit_bmm.search.space import SearchSpace, TrialRecipes
 
     config = make_config(family, python_evaluator("per_task_scores"))
     names = weight_names_of(str(family.base))
@@ -427,7 +426,7 @@ def test_eval_anchor_over_a_regmean_anchor_reads_the_statistics(family, tmp_path
 
 
 def test_out_folder_of_another_experiment_is_protected(family, tmp_path):
-    from mergekit_bmm.search.errors import OutputFolderError
+    from mergekit_bmm.errors import OutputFolderError
 
     evaluator = python_evaluator("per_task_scores")
     first = make_config(family, evaluator, strategy="random", budget=1, anchor_start=False)  # seeds differ

@@ -196,7 +196,7 @@ def test_trial_recipes_carry_the_cache_when_given_one(family, tmp_path):
     from mergekit.merge_methods import registry
 
     from mergekit_bmm.io.model_folder import weight_names_of
-    from mergekit_bmm.search.trial_recipes import TrialRecipes
+    from mergekit_bmm.search.space import TrialRecipes
 
     names = weight_names_of(str(family.base))
     config = parse_search_config({"recipe": recipe(family), "evaluator": EVALUATOR, "blocks": 2}, tmp_path)

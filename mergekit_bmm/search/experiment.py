@@ -1,25 +1,30 @@
-"""What one search is, checked before ``OUT_PATH`` is touched: the recipe, the space, the hash.
+"""What one search is, checked before ``OUT_PATH`` is touched (recipe, space, hash), and that folder's rules.
 
 The experiment's *definition* (the search config except its budget, the template recipe,
 and fingerprints of the input models) is hashed: re-running with the same definition
-resumes, a different one is refused (see :mod:`mergekit_bmm.search.run_folder`).
+resumes, a different one is refused (see :mod:`mergekit_bmm.search.experiment`).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
+
 from mergekit_bmm.core.module_map import filter_rules, outside_groups
-from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.errors import ConfigError, OutputFolderError
+from mergekit_bmm.io.atomic import atomic_write_json
 from mergekit_bmm.io.fingerprint import model_fingerprint
 from mergekit_bmm.io.model_folder import model_type_of, weight_names_of, weight_shapes_of
 from mergekit_bmm.recipes.parse import mergekit_configuration
 from mergekit_bmm.search.config import SearchConfig, canonical_hash, load_template
-from mergekit_bmm.search.space import SearchSpace
-from mergekit_bmm.search.trial_recipes import TrialRecipes
+from mergekit_bmm.search.space import SearchSpace, TrialRecipes
 
 
 @dataclass(frozen=True)
@@ -90,3 +95,143 @@ def _check_with_mergekit(recipes: TrialRecipes, space: SearchSpace) -> None:
     import yaml
 
     mergekit_configuration(yaml.safe_load(recipes.text(middle_of(space))), "the search's trial recipe")
+
+
+# -- The ``OUT_PATH`` folder of a search: its files, its lock, and protection of other experiments.
+FORMAT_VERSION = 1
+LOCK_FILE = ".lock"
+
+
+class RunFolder:
+    """Paths inside ``OUT_PATH`` and the rules for (re)using it."""
+
+    OWNED_FILES = (
+        "experiment.json",
+        "search.yml",
+        "template.yml",
+        "trials.jsonl",
+        "summary.json",
+        "best.yml",
+        "anchor.yml",
+        "anchor.json",
+        "errors.log",
+        "convergence.png",
+        "lambdas.png",
+        "proposer.pkl",
+    )
+    OWNED_DIRS = ("trials", "best", "cache", ".work")
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).resolve()
+        self.experiment_json = self.root / "experiment.json"
+        self.search_yml = self.root / "search.yml"
+        self.template_yml = self.root / "template.yml"
+        self.trials_jsonl = self.root / "trials.jsonl"
+        self.summary_json = self.root / "summary.json"
+        self.best_yml = self.root / "best.yml"
+        self.anchor_yml = self.root / "anchor.yml"
+        self.anchor_json = self.root / "anchor.json"
+        self.errors_log = self.root / "errors.log"
+        self.convergence_png = self.root / "convergence.png"
+        self.lambdas_png = self.root / "lambdas.png"
+        self.proposer_pkl = self.root / "proposer.pkl"
+        self.trials_dir = self.root / "trials"
+        self.best_dir = self.root / "best"
+        self.cache_dir = self.root / "cache"
+        self.work_dir = self.root / ".work"
+        self._lock: FileLock | None = None
+
+    def trial_yaml(self, index: int) -> str:
+        """A trial's recipe file, relative to the folder (as the log records it)."""
+        return f"{self.trials_dir.name}/trial-{index:04d}.yml"
+
+    # ----------------------------------------------------------------- locking
+    def lock(self) -> None:
+        """Hold an exclusive lock on the folder until :meth:`unlock`."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(self.root / LOCK_FILE)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise OutputFolderError(
+                f"another mergekit-bmm-search is writing {self.root}; wait for it or use another OUT_PATH"
+            ) from None
+        self._lock = lock
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    # ------------------------------------------------------------ experiments
+    def recorded_hash(self) -> str | None:
+        try:
+            return json.loads(self.experiment_json.read_text(encoding="utf-8")).get("experiment_hash")
+        except (OSError, ValueError):
+            return None
+
+    def has_foreign_content(self) -> bool:
+        """Whether the folder holds files this command did not write."""
+        if not self.root.exists():
+            return False
+        owned = set(self.OWNED_FILES) | set(self.OWNED_DIRS) | {LOCK_FILE}
+        return any(item.name not in owned and not item.name.startswith(".") for item in self.root.iterdir())
+
+    def prepare(self, experiment_hash: str, force: bool, must_exist: bool) -> bool:
+        """Check (and with ``force``, clear) the folder; True when a run is being resumed."""
+        recorded = self.recorded_hash()
+        if must_exist and recorded is None:
+            raise OutputFolderError(
+                f"--resume: {self.root} holds no search to resume (no experiment.json); "
+                "drop --resume to start one"
+            )
+        if recorded == experiment_hash:
+            return True
+        if recorded is not None and not force:
+            raise OutputFolderError(
+                f"{self.root} holds a different experiment (another search config, recipe or models); "
+                "use a new OUT_PATH, or pass --force to replace its search results"
+            )
+        if recorded is None and self.has_foreign_content() and not force:
+            raise OutputFolderError(
+                f"{self.root} already has files that this command did not write; use a new or empty "
+                "OUT_PATH, or pass --force to write the search results next to them"
+            )
+        self.clear_owned()
+        return False
+
+    def clear_owned(self) -> None:
+        """Remove only what this command writes."""
+        for name in self.OWNED_FILES:
+            (self.root / name).unlink(missing_ok=True)
+        for name in self.OWNED_DIRS:
+            shutil.rmtree(self.root / name, ignore_errors=True)
+
+    def record_experiment(
+        self, experiment_hash: str, definition: dict[str, Any], box: dict[str, list[float]]
+    ) -> None:
+        """``box``: the range each kind of dimension began with (not hashed: a default box may
+        change between versions, and a resumed search goes on in the one it began in)."""
+        atomic_write_json(
+            self.experiment_json,
+            {
+                "format": FORMAT_VERSION,
+                "experiment_hash": experiment_hash,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "definition": definition,
+                "box": box,
+            },
+        )
+
+    def recorded_box(self) -> dict[str, list[float]] | None:
+        """The box the recorded experiment began in; None when its folder predates the record."""
+        try:
+            return json.loads(self.experiment_json.read_text(encoding="utf-8")).get("box")
+        except (OSError, ValueError):
+            return None
+
+    def fresh_work_dir(self) -> Path:
+        """An empty ``.work`` folder for merges in progress."""
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+        self.work_dir.mkdir()
+        return self.work_dir

@@ -1,4 +1,4 @@
-"""``trials.jsonl``: the append-only record of finished trials, and its replay.
+"""``trials.jsonl``: the append-only record of finished trials (resuming from it is in ``strategies``).
 
 Each finished trial is one JSON line, written with a single ``write`` on an ``O_APPEND``
 descriptor and ``fsync``-ed before the next trial starts. A process killed at any moment
@@ -14,12 +14,15 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mergekit_bmm.errors import ConfigError
 
 OK = "ok"
 FAILED = "failed"
+
+if TYPE_CHECKING:  # annotations only: experiment imports this module
+    pass
 
 
 @dataclass

@@ -16,30 +16,35 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_bmm.devices import resolve_device
+from mergekit_bmm.errors import SearchStopped
 from mergekit_bmm.evaluation import make_evaluator
 from mergekit_bmm.io.atomic import atomic_write_text
 from mergekit_bmm.recipes.parse import yaml_text
-from mergekit_bmm.search.anchor_model import anchors_at_pretrained
-from mergekit_bmm.search.anchor_score import cached_anchor_score, score_anchor
-from mergekit_bmm.search.best import BestModel
-from mergekit_bmm.search.box import BoxChange, edge_changes
+from mergekit_bmm.search.anchor_score import anchors_at_pretrained, cached_anchor_score, score_anchor
 from mergekit_bmm.search.config import SearchConfig
-from mergekit_bmm.search.errors import SearchStopped
-from mergekit_bmm.search.experiment import Experiment, prepare_experiment
+from mergekit_bmm.search.experiment import Experiment, RunFolder, prepare_experiment
 from mergekit_bmm.search.fidelity import Incumbent
 from mergekit_bmm.search.log import FAILED, OK, TrialRecord, append_event, append_trial
-from mergekit_bmm.search.placement import Placement, open_pool
-from mergekit_bmm.search.plots import plot_convergence, plot_lambdas
-from mergekit_bmm.search.progress import SearchProgress
-from mergekit_bmm.search.replay import OpenBatch, Replayed, replay
-from mergekit_bmm.search.report import format_report
-from mergekit_bmm.search.run_folder import RunFolder
-from mergekit_bmm.search.snapshot import load_snapshot, save_snapshot
-from mergekit_bmm.search.space import SearchSpace
-from mergekit_bmm.search.strategies import make_proposer
-from mergekit_bmm.search.summary import AnchorScore, SearchSummary, best_record, build_summary, write_summary
-from mergekit_bmm.search.timeouts import trial_limit
-from mergekit_bmm.search.trials import ErrorLog, PlannedTrial, TrialOutcome, score_of
+from mergekit_bmm.search.pools import Placement, open_pool
+from mergekit_bmm.search.report import SearchProgress, format_report, plot_convergence, plot_lambdas
+from mergekit_bmm.search.space import BoxChange, SearchSpace, edge_changes
+from mergekit_bmm.search.strategies import (
+    OpenBatch,
+    Replayed,
+    load_snapshot,
+    make_proposer,
+    replay,
+    save_snapshot,
+)
+from mergekit_bmm.search.summary import (
+    AnchorScore,
+    BestModel,
+    SearchSummary,
+    best_record,
+    build_summary,
+    write_summary,
+)
+from mergekit_bmm.search.trials import ErrorLog, PlannedTrial, TrialOutcome, score_of, trial_limit
 
 LOG = logging.getLogger("mergekit_bmm.search")
 
@@ -294,7 +299,7 @@ class SearchRun:
         return told
 
     def _widen_box(self) -> None:
-        """Move the edges the best trial sits on (see :mod:`mergekit_bmm.search.box`)."""
+        """Move the edges the best trial sits on (see :mod:`mergekit_bmm.search.space`)."""
         if not self.config.widen_box or self.config.strategy == "grid":
             return
         changes = edge_changes(self.experiment.space, self.records, self.config.n_initial, self.box_changes)

@@ -17,8 +17,7 @@ from typing import Any
 
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.search.pools import ATTEMPTS, lost, worker_devices
-from mergekit_bmm.search.timeouts import time_left, timeout_error
-from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome
+from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome, time_left, timeout_error
 from mergekit_bmm.search.workers import TrialWorker, WorkerReady, WorkerSpec
 
 

@@ -1,4 +1,4 @@
-"""The search space (paper Section 4.2) and how a point becomes per-block settings.
+"""The search space (paper Section 4.2): its box (which widens), and a point as per-block settings and recipe.
 
 Consecutive layers are cut into ``B`` blocks; in each block the module groups share one
 λ (sampled log-uniformly) and the block has one scale ``s``, optionally one ε for
@@ -9,19 +9,26 @@ named ``block<b>.<group>``, ``block<b>.scale``, ``block<b>.epsilon``; a point is
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from mergekit_bmm.core.module_map import GROUP_NAMES, filter_rules
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.io.model_folder import num_layers_of
-from mergekit_bmm.recipes.blockwise import BlockSetting, layer_blocks
+from mergekit_bmm.recipes.blockwise import BlockSetting, blockwise_recipe, layer_blocks
+from mergekit_bmm.recipes.parse import yaml_text
 from mergekit_bmm.search.config import recipe_gram
 
 DEFAULT_LAMBDA = 0.1  # bmm's own default, for groups that are not searched
 DEFAULT_SCALE = 1.0
+
+if TYPE_CHECKING:  # annotations only: log imports this module
+    from mergekit_bmm.search.log import TrialRecord
 
 
 @dataclass(frozen=True)
@@ -222,3 +229,139 @@ class SearchSpace:
             kinds[dimension.kind] += 1
         parts = [f"{kinds['lambda']} λ"] + [f"{n} {k}" for k, n in kinds.items() if k != "lambda" and n]
         return f"{len(self.dimensions)}-dimensional ({len(self.blocks)} blocks: " + ", ".join(parts) + ")"
+
+
+# -- One trial's recipe: a point of the search space as a complete ``merge_method: bmm`` recipe.
+def text_sha256(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+class TrialRecipes:
+    """Turns a point of the space into a trial's recipe text."""
+
+    def __init__(
+        self,
+        template: Mapping[str, Any],
+        space: SearchSpace,
+        weight_names: Sequence[str],
+        cache_dir: Path | None = None,
+    ) -> None:
+        self.template = copy.deepcopy(dict(template))
+        self.cache_dir = cache_dir
+        parameters = dict(self.template.get("parameters") or {})
+        parameters.pop("cache", None)
+        self.portable_template = {**self.template, "parameters": parameters}
+        if cache_dir is not None:
+            self.template["parameters"] = {**parameters, "cache": str(cache_dir)}
+        self.space = space
+        self.weight_names = list(weight_names)
+
+    def recipe(self, values: Mapping[str, float]) -> dict[str, Any]:
+        return blockwise_recipe(self.template, self.space.settings(values), self.weight_names)
+
+    def text(self, values: Mapping[str, float]) -> str:
+        return yaml_text(self.recipe(values))
+
+    def portable_text(self, values: Mapping[str, float]) -> str:
+        """The recipe without bmm's factor cache: what ``best.yml`` and a published model carry.
+
+        The cache is a machine-local path and only a speed-up: the same values merge to the same
+        model without it (to float rounding; bit for bit from this text).
+        """
+        return yaml_text(
+            blockwise_recipe(self.portable_template, self.space.settings(values), self.weight_names)
+        )
+
+
+# -- A search box that notices it is too small, and widens.
+EDGE_FRACTION = 0.03
+LAMBDA_FACTOR = 10.0
+LAMBDA_LIMITS = (1e-6, 1e4)
+SCALE_LIMITS = (0.05, 5.0)
+EPSILON_LIMITS = (0.0, 1.0)
+MAX_WIDENINGS = 2  # per edge: two decades of λ, or twice half the range of s
+
+
+@dataclass(frozen=True)
+class BoxChange:
+    """One widened edge: ``dimension`` now spans [low, high] (it spanned [old_low, old_high])."""
+
+    after_trial: int
+    dimension: str
+    old_low: float
+    old_high: float
+    low: float
+    high: float
+    best_trial: int
+    best_value: float
+
+    def describe(self) -> str:
+        return (
+            f"{self.dimension}: [{self.old_low:.4g}, {self.old_high:.4g}] -> "
+            f"[{self.low:.4g}, {self.high:.4g}] after trial {self.after_trial} "
+            f"(best trial {self.best_trial} at {self.best_value:.4g})"
+        )
+
+    def as_event(self) -> dict:
+        return {"event": "box", **vars(self)}
+
+
+def _position(dimension: Dimension, value: float) -> float:
+    """Where ``value`` lies in the range, 0 (low) to 1 (high), in the prior's scale."""
+    if dimension.log_uniform:
+        low, high = math.log(dimension.low), math.log(dimension.high)
+        return (math.log(value) - low) / (high - low)
+    return (value - dimension.low) / (dimension.high - dimension.low)
+
+
+def _limits(dimension: Dimension) -> tuple[float, float]:
+    return {"lambda": LAMBDA_LIMITS, "scale": SCALE_LIMITS}.get(dimension.kind, EPSILON_LIMITS)
+
+
+def _widened(dimension: Dimension, at_low: bool) -> tuple[float, float]:
+    low, high = dimension.low, dimension.high
+    floor, ceiling = _limits(dimension)
+    if dimension.kind == "lambda":
+        return (
+            (max(floor, low / LAMBDA_FACTOR), high) if at_low else (low, min(ceiling, high * LAMBDA_FACTOR))
+        )
+    step = 0.5 * (high - low)
+    return (max(floor, low - step), high) if at_low else (low, min(ceiling, high + step))
+
+
+def cooldown_trials(space: SearchSpace) -> int:
+    """Trials between two widenings: one per dimension, so the surrogate sees the new box."""
+    return len(space.dimensions)
+
+
+def edge_changes(
+    space: SearchSpace, records: list[TrialRecord], n_initial: int, previous: list[BoxChange] = ()
+) -> list[BoxChange]:
+    """The edges to widen now, given every finished trial (none before the initial points) and
+    the changes made so far."""
+    finished = [record for record in records if record.ok and record.full and record.score is not None]
+    if len(records) < n_initial or not finished:
+        return []
+    last = max(record.trial for record in records)
+    if previous and last - max(change.after_trial for change in previous) < cooldown_trials(space):
+        return []
+    best = max(finished, key=lambda record: (record.score, -record.trial))
+    changes = []
+    for dimension in space.dimensions:
+        value = best.values[dimension.name]
+        position = _position(dimension, value)
+        for at_low, near in ((True, position <= EDGE_FRACTION), (False, position >= 1 - EDGE_FRACTION)):
+            moved = sum(
+                change.dimension == dimension.name and (change.low < change.old_low) == at_low
+                for change in previous
+            )
+            if not near or moved >= MAX_WIDENINGS:
+                continue
+            low, high = _widened(dimension, at_low)
+            if (low, high) != (dimension.low, dimension.high):
+                changes.append(
+                    BoxChange(
+                        last, dimension.name, dimension.low, dimension.high, low, high, best.trial, value
+                    )
+                )
+    return changes

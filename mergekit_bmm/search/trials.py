@@ -1,4 +1,4 @@
-"""Running one trial: its recipe becomes a model, the evaluator scores it.
+"""One trial: its recipe becomes a model (resident or on disk), the evaluator scores it in its time limit.
 
 A trial runs as named *stages* (``merge``, then ``evaluate``), each timed. A stage that
 raises fails the trial: the error becomes one line in the trial's record and its
@@ -14,18 +14,22 @@ from __future__ import annotations
 
 import math
 import shutil
+import signal
+import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from mergekit_bmm.errors import error_summary, find_bmm_error
+from mergekit_bmm.errors import ConfigError, error_summary, find_bmm_error
 from mergekit_bmm.evaluation.base import evaluate_folder
 from mergekit_bmm.recipes import run as recipe_run
+from mergekit_bmm.search.experiment import Experiment, middle_of
 from mergekit_bmm.search.fidelity import Incumbent, StagedScores, evaluate_trial
-from mergekit_bmm.search.trial_recipes import text_sha256
+from mergekit_bmm.search.space import text_sha256
 
 
 @dataclass(frozen=True)
@@ -160,3 +164,119 @@ class DiskTrials:
 
     def close(self) -> None:
         pass
+
+
+# -- How long a trial may run before it is stopped, and stopping it in this process.
+AUTO_FACTOR = 10.0
+AUTO_FLOOR_SECONDS = 300.0
+
+
+def time_left(started_and_limits: Iterable[tuple[float, float | None]]) -> float | None:
+    """Seconds until the first running trial reaches its limit, from each trial's start
+    (``time.perf_counter``) and limit; None when none has a limit (a pool's wait timeout)."""
+    now = time.perf_counter()
+    left = [started + limit - now for started, limit in started_and_limits if limit]
+    return max(0.0, min(left)) if left else None
+
+
+class TrialTimeout(BaseException):
+    """Raised in the search's own process when a trial runs past its limit (a BaseException,
+    so an evaluator's ``except Exception`` cannot swallow it)."""
+
+
+def trial_limit(setting: float | str | None, records: Sequence[Any]) -> float | None:
+    """The limit, in seconds, for the next trials given ``trial_timeout`` and the trials so far."""
+    if setting is None:
+        return None
+    if setting != "auto":
+        return float(setting)
+    times = [record.time.get("total", 0.0) for record in records if record.ok]
+    if not times:
+        return None
+    return max(AUTO_FLOOR_SECONDS, AUTO_FACTOR * max(times))
+
+
+def timeout_error(limit: float, restarted: bool) -> str:
+    """The one-line reason a trial past its limit is recorded with."""
+    what = "its worker was stopped and restarted" if restarted else "it was interrupted"
+    return f"timeout: the trial ran past its limit of {limit:.0f} s ({what}); set trial_timeout in search.yml"
+
+
+@contextmanager
+def alarm(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`TrialTimeout` in this (main) thread after ``seconds``; no-op elsewhere."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TrialTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# -- Where a search's trials run: in a resident model (the default when it can), or on disk.
+@dataclass
+class RunnerChoice:
+    runner: TrialRunner
+    mode: str  # "memory" | "disk"
+    note: str = ""
+    startup_seconds: float = 0.0
+    memory_plan: dict[str, Any] | None = None
+
+
+def memory_obstacle(experiment: Experiment, evaluator: Any, use_cache: bool) -> str | None:
+    """Why trials cannot run in a resident model (None: they can)."""
+    if getattr(evaluator, "loading", None) is None:
+        return "the evaluator scores folders (python evaluator with `input: folder`)"
+    if not use_cache:
+        return "--no-cache: resident trials are built from bmm's factor cache"
+    if any(dimension.kind == "epsilon" for dimension in experiment.space.dimensions):
+        return "ε is searched, and it changes the Gram: each trial needs new factors"
+    return None
+
+
+def choose_runner(
+    experiment: Experiment,
+    evaluator: Any,
+    work_dir: Path,
+    merge_options: Any,
+    echo: Callable[[str], None],
+    mode: str,
+    use_cache: bool,
+    max_memory: int | None = None,
+    fidelity: Any = None,
+) -> RunnerChoice:
+    """The runner for ``mode`` (``auto``, ``memory`` or ``disk``); ``fidelity`` is search.yml's
+    ``fidelity:`` section (staged evaluation, :mod:`mergekit_bmm.search.fidelity`)."""
+    disk = DiskTrials(evaluator, work_dir, merge_options, fidelity)
+    if mode == "disk":
+        return RunnerChoice(disk, "disk")
+    obstacle = memory_obstacle(experiment, evaluator, use_cache)
+    if obstacle is not None:
+        if mode == "memory":
+            raise ConfigError(f"trials: memory is not possible here: {obstacle}; use trials: disk")
+        return RunnerChoice(disk, "disk", f"trials run on disk: {obstacle}")
+    from mergekit_bmm.search.resident import ResidentModel, ResidentTrials, ResidentUnsupported
+
+    echo("loading the resident model and its factors (the first run of a search fills bmm's cache) ...")
+    started = time.perf_counter()
+    first = experiment.recipes.text(middle_of(experiment.space))
+    try:
+        resident = ResidentModel.load(
+            first, experiment.base_model, experiment.space, evaluator.loading, merge_options, max_memory
+        )
+    except ResidentUnsupported as error:
+        if mode == "memory":
+            raise ConfigError(f"trials: memory is not possible here: {error}; use trials: disk") from None
+        return RunnerChoice(disk, "disk", f"trials run on disk: {error}")
+    seconds = time.perf_counter() - started
+    plan = resident.plan
+    echo(plan.describe() + f"\n  ready in {seconds:.1f} s")
+    return RunnerChoice(ResidentTrials(resident, evaluator, fidelity), "memory", "", seconds, vars(plan))

@@ -2,7 +2,7 @@
 
 Every worker — the search's own process when it runs alone, a local process, a Ray actor —
 is made from one picklable :class:`WorkerSpec` and holds one resident model (or runs its
-trials on disk, see :mod:`mergekit_bmm.search.runners`). Workers never write the search's
+trials on disk, see :mod:`mergekit_bmm.search.trials`). Workers never write the search's
 files: they return each trial's outcome (its traceback included) to the driver, which
 alone appends to ``trials.jsonl`` and ``errors.log``. Models and bmm's factor cache are read
 from paths every worker can see.
@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_bmm.errors import BMMError, find_bmm_error
-from mergekit_bmm.search.runners import choose_runner
-from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome
+from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome, choose_runner
 
 
 @dataclass(frozen=True)
