@@ -172,6 +172,39 @@ def test_python_callable_results_and_errors(tiny_bert, tmp_path):
     }
 
 
+def test_a_python_evaluator_with_examples_scores_single_examples(tiny_bert, tmp_path):
+    (tmp_path / "per_example.py").write_text(
+        "def examples(n=4, bad=None):\n"
+        "    return bad if bad is not None else {'odd': [i % 2 for i in range(n)], 'all': n}\n"
+        "def score(model, tokenizer, task, indices, n=4, bad=None):\n"
+        "    return [float(i % 2) if task == 'odd' else 1.0 for i in indices]\n"
+    )
+    config = PythonEvaluatorConfig(
+        type="python",
+        callable="per_example:score",
+        examples="per_example:examples",
+        load_model="AutoModel",
+        python_path=[str(tmp_path)],
+    )
+    evaluator = PythonEvaluator(config, "cpu")
+    assert evaluator.scores_examples
+    assert evaluator.examples()["odd"].strata == (0, 1, 0, 1) and evaluator.examples()["all"].count == 4
+    model, tokenizer = load(tiny_bert)
+    assert evaluator.example_scorer(model, tokenizer)("odd", [1, 2, 3]) == [1.0, 0.0, 1.0]
+    assert evaluator.evaluate_model(model, tokenizer) == {"odd": 0.5, "all": 1.0}
+    for bad, message in (([], "returned list"), ({"t": 0}, "positive count"), ({"t": ["x"]}, "int labels")):
+        with pytest.raises(ConfigError, match=message):
+            PythonEvaluator(config.model_copy(update={"args": {"bad": bad}}), "cpu")
+    (tmp_path / "wrong_count.py").write_text(
+        "def score(model, tokenizer, task, indices):\n    return [1.0]\n"
+    )
+    wrong = config.model_copy(update={"callable": "wrong_count:score"})
+    with pytest.raises(ConfigError, match="returned 1 scores for 3 examples"):
+        PythonEvaluator(wrong, "cpu").example_scorer(model, tokenizer)("odd", [0, 1, 2])
+    with pytest.raises(ValueError, match="does not work with `input: folder`"):
+        PythonEvaluatorConfig(type="python", callable="a:b", examples="a:c", input="folder")
+
+
 @pytest.mark.slow
 def test_lm_eval_local_task_scores_like_lm_eval_itself(tiny_llama, monkeypatch):
     """Offline lm-eval on a local task: our evaluator reports what lm-eval's own hf model does."""

@@ -1,8 +1,7 @@
-"""``mergekit-bmm-demo``: generate tiny experts, merge them with TA and BMM, compare.
+"""``mergekit-bmm-demo``: experts made locally, merged, searched, and their test accuracy.
 
-Everything runs locally: a tiny Llama base and three synthetic experts are written to
-a fresh folder, each recipe is merged by the stock ``mergekit-yaml`` command, and a
-table shows how far each merge's weights are from every expert, per module group.
+The job itself is :mod:`mergekit_bmm.examples.demo_run`; ``--weights`` keeps the earlier
+demo, a weight-space comparison of ``task_arithmetic`` and ``bmm`` on random tiny experts.
 """
 
 from __future__ import annotations
@@ -87,21 +86,46 @@ def _metrics(merged: dict, base: dict, experts: list[dict], rank: int = 4) -> di
 @command("mergekit-bmm-demo")
 @output_path(required=False)
 @click.option(
+    "--weights",
+    is_flag=True,
+    help="Instead: the weight-space comparison of task_arithmetic and bmm on random tiny experts (16 s).",
+)
+@click.option(
     "--architecture",
     type=click.Choice(["llama", "qwen2", "mistral", "gpt2", "bert"]),
-    default="llama",
-    show_default=True,
+    default=None,
+    help="Architecture of the --weights comparison's random models (llama; implies --weights).",
 )
-def main(out_path: str | None, architecture: str) -> None:
-    """Merge tiny generated experts with task_arithmetic and bmm and compare them; models,
-    recipes and merges go to OUT_PATH (default: a new temporary folder)."""
+@click.option("--small", is_flag=True, help="A reduced run (about a minute): its accuracies mean nothing.")
+def main(out_path: str | None, weights: bool, architecture: str | None, small: bool) -> None:
+    """Make four experts locally, merge them (Task Arithmetic, TIES, bmm), search bmm's λ and s,
+    and print test accuracy; models, recipes, merges and the search go to OUT_PATH (default: a new
+    temporary folder)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from mergekit_bmm.examples.tiny_models import make_tiny_family
-    from mergekit_bmm.io.checkpoint import load_state_dict
-
     root = Path(out_path) if out_path else Path(tempfile.mkdtemp(prefix="bmm-demo-"))
     if root.exists() and any(root.iterdir()):
         raise click.UsageError(f"{root} is not empty; pass a new OUT_PATH folder (nothing is overwritten)")
+    if weights or architecture:
+        _weight_space(root, architecture or "llama")
+        return
+    from mergekit_bmm.examples.demo_run import run_demo, table, what_next
+    from mergekit_bmm.examples.demo_training import FULL, SMALL
+
+    result = run_demo(root, SMALL if small else FULL, say=click.echo)
+    click.echo("")
+    click.echo(table(result))
+    click.echo(
+        f"\n(wall time {result.seconds['total']:.0f} s; held-out test split, "
+        f"{'reduced run' if small else f'{FULL.test} examples per task'})"
+    )
+    click.echo(what_next(result))
+
+
+def _weight_space(root: Path, architecture: str) -> None:
+    """The weight-space comparison: how far each merge is from every expert, per module group."""
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
+    from mergekit_bmm.io.checkpoint import load_state_dict
+
     click.echo(f"[1/3] generating a tiny {architecture} base and 3 experts in {root}/models ...")
     family = make_tiny_family(root / "models", architecture, n_experts=3)
     base = load_state_dict(family.base)

@@ -57,6 +57,10 @@ class PythonEvaluatorConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Extra keyword arguments for the function.
     args: dict[str, Any] = Field(default_factory=dict)
+    # Scoring single examples (so a search can score a trial on part of them first): a second
+    # function ``examples(**args) -> {task: count or [label per example]}``; ``callable`` is then
+    # called as ``function(model, tokenizer, task=..., indices=[...], **args) -> [score per index]``.
+    examples: str | None = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
     # Folders put in front of sys.path so the module can be imported (relative: to search.yml).
     python_path: list[str] = Field(default_factory=list)
 
@@ -64,6 +68,15 @@ class PythonEvaluatorConfig(_Strict):
     @classmethod
     def _resolve(cls, value: list[str], info: ValidationInfo) -> list[str]:
         return [resolve_path(item, info) for item in value]
+
+    @model_validator(mode="after")
+    def _examples_need_a_model(self) -> PythonEvaluatorConfig:
+        if self.examples is not None and self.input == "folder":
+            raise ValueError(
+                "`examples` scores single examples of a live model; it does not work with `input: folder` "
+                "(remove one of them)"
+            )
+        return self
 
 
 class LMEvalTask(_Strict):

@@ -5,6 +5,12 @@ it is called as ``function(model, tokenizer, **args)``, the model already loaded
 search's device (in a search: the live model its trials merge in place); with
 ``input: folder``, as ``function(model_dir, **args)``. It returns one number, or a
 mapping of per-task numbers (the search's score is then their mean).
+
+With ``examples:`` (a second function, ``examples(**args) -> {task: count or [label per
+example]}``), the evaluator scores single examples, so a search can score a trial on part
+of them first (cheap-then-full, :mod:`mergekit_bmm.search.fidelity`): ``callable`` is then
+called as ``function(model, tokenizer, task=..., indices=[...], **args)`` and returns one
+score in [0, 1] per index (e.g. 1.0 when the example is right); a task's score is their mean.
 """
 
 from __future__ import annotations
@@ -12,12 +18,12 @@ from __future__ import annotations
 import importlib
 import numbers
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.evaluation.base import ModelLoading, evaluate_folder
+from mergekit_bmm.evaluation.base import ModelLoading, TaskExamples, evaluate_folder
 from mergekit_bmm.evaluation.config import PythonEvaluatorConfig
 
 SINGLE_TASK = "score"
@@ -73,6 +79,31 @@ class PythonEvaluator:
         self.function = import_callable(config.callable, config.python_path)
         self.weights: dict[str, float] = {}
         self.loading = ModelLoading(config.load_model, config.dtype) if config.input == "model" else None
+        self.scores_examples = config.examples is not None
+        self._examples = _task_examples(config) if self.scores_examples else {}
+
+    def examples(self) -> dict[str, TaskExamples]:
+        """Each task's example count (and labels, to stratify), from the ``examples`` function."""
+        return self._examples
+
+    def example_scorer(self, model: Any, tokenizer: Any) -> Callable[[str, Sequence[int]], list[float]]:
+        """``score(task, indices) -> [score per index]``, each checked to lie in [0, 1]."""
+        where = f"evaluator {self.config.callable!r}"
+
+        def score(task: str, indices: Sequence[int]) -> list[float]:
+            found = self.function(model, tokenizer, task=task, indices=list(indices), **self.config.args)
+            if isinstance(found, (str, bytes, Mapping)) or not hasattr(found, "__len__"):
+                kind = type(found).__name__
+                raise ConfigError(f"{where} for task {task!r} returned {kind}; return one score per index")
+            values = [_number(value, f"{where} for task {task!r}") for value in found]
+            if len(values) != len(indices) or any(not 0.0 <= v <= 1.0 for v in values):
+                raise ConfigError(
+                    f"{where} for task {task!r} returned {len(values)} scores for {len(indices)} examples "
+                    "(or one outside [0, 1]); return one score in [0, 1] per index"
+                )
+            return values
+
+        return score
 
     def evaluate(self, model_dir: Path) -> dict[str, float]:
         if self.loading is not None:
@@ -80,6 +111,10 @@ class PythonEvaluator:
         return as_per_task(self.function(Path(model_dir), **self.config.args), self.config.callable)
 
     def evaluate_model(self, model: Any, tokenizer: Any) -> dict[str, float]:
+        if self.scores_examples:
+            score = self.example_scorer(model, tokenizer)
+            counts = {task: found.count for task, found in self._examples.items()}
+            return {task: sum(score(task, range(count))) / count for task, count in counts.items()}
         try:
             result = self.function(model, tokenizer, **self.config.args)
         except Exception as error:
@@ -91,6 +126,27 @@ class PythonEvaluator:
                 ) from error
             raise
         return as_per_task(result, self.config.callable)
+
+
+def _task_examples(config: PythonEvaluatorConfig) -> dict[str, TaskExamples]:
+    """``examples(**args)`` → per task a count, or labels (the count is their number)."""
+    function = import_callable(config.examples, config.python_path)
+    found = function(**config.args)
+    where = f"evaluator examples {config.examples!r}"
+    if not isinstance(found, Mapping) or not found:
+        raise ConfigError(f"{where} returned {type(found).__name__}; return {{task: count or [labels]}}")
+    tasks = {}
+    for task, value in found.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            tasks[str(task)] = TaskExamples(value)
+        elif isinstance(value, Sequence) and value and all(isinstance(v, int) for v in value):
+            tasks[str(task)] = TaskExamples(len(value), tuple(value))
+        else:
+            raise ConfigError(
+                f"{where} for task {task!r}: expected a positive count or a non-empty list of int labels; "
+                f"got {value!r:.60}"
+            )
+    return tasks
 
 
 FOLDER_WORDS = ("dir", "path", "folder", "checkpoint")

@@ -75,7 +75,7 @@ class FidelityConfig(BaseModel):
     examples; only a trial whose cheap score plus ``promote_z`` standard errors reaches the
     incumbent's full score is scored on the rest. With ``early_stop``, scoring stops once the
     trial could not reach the incumbent even if every remaining example were right.
-    Evaluators that cannot score single examples (a python function) always score in full.
+    Evaluators that cannot score single examples (a python function without ``examples``) score in full.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

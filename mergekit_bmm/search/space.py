@@ -228,7 +228,8 @@ class SearchSpace:
         for dimension in self.dimensions:
             kinds[dimension.kind] += 1
         parts = [f"{kinds['lambda']} λ"] + [f"{n} {k}" for k, n in kinds.items() if k != "lambda" and n]
-        return f"{len(self.dimensions)}-dimensional ({len(self.blocks)} blocks: " + ", ".join(parts) + ")"
+        blocks = f"{len(self.blocks)} block" + ("s" if len(self.blocks) != 1 else "")
+        return f"{len(self.dimensions)}-dimensional ({blocks}: " + ", ".join(parts) + ")"
 
 
 # -- One trial's recipe: a point of the search space as a complete ``merge_method: bmm`` recipe.

@@ -1,0 +1,219 @@
+"""``mergekit-bmm-demo``'s job, step by step through the real commands.
+
+Models are made locally (:mod:`~mergekit_bmm.examples.demo_training`); Task Arithmetic and TIES
+are tuned on validation and merged by the stock ``mergekit-yaml``; ``bmm`` at its defaults is
+merged the same way; ``mergekit-bmm-search`` tunes bmm over Task Arithmetic (cheap-then-full
+evaluation through the demo's ``type: python`` evaluator) and merges its best recipe; every
+model is then scored on the held-out test split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from mergekit_bmm.errors import BMMError
+from mergekit_bmm.examples import demo_tasks
+from mergekit_bmm.examples.demo_training import FULL, DemoModels, DemoSize, build
+
+TA_WEIGHTS = (0.25, 0.5, 0.75, 1.0)
+TIES_DENSITIES = (0.3, 0.5, 0.8)
+
+
+@dataclass
+class DemoResult:
+    """What the demo made and measured (test accuracy per model and task)."""
+
+    root: Path
+    models: DemoModels
+    accuracy: dict[str, dict[str, float]] = field(default_factory=dict)
+    recipes: dict[str, Path] = field(default_factory=dict)
+    merged: dict[str, Path] = field(default_factory=dict)
+    commands: list[str] = field(default_factory=list)
+    convergence_plot: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+def _run(command: list[str], result: DemoResult, show: bool = False) -> None:
+    """Run one of the real commands; its output shows when ``show`` (a progress bar), else on failure."""
+    result.commands.append(shlex.join([Path(command[0]).name, *command[1:]]))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, env=env, text=True, capture_output=not show)
+    if done.returncode != 0:
+        tail = (done.stderr or "").strip().splitlines()[-1:] if not show else []
+        raise BMMError(f"`{shlex.join(command)}` failed" + (f": {tail[0]}" if tail else ""))
+
+
+def _recipe(models: DemoModels, method: str, **parameters) -> dict:
+    per_model = {key: parameters.pop(key) for key in ("weight", "density") if key in parameters}
+    recipe = {
+        "merge_method": method,
+        "base_model": str(models.base),
+        "models": [{"model": str(path), "parameters": dict(per_model)} for path in models.experts.values()],
+        "dtype": "float32",
+    }
+    if parameters:
+        recipe["parameters"] = parameters
+    return recipe
+
+
+def _load(path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _accuracy(path: Path, data: Path, split: str, tasks: list[str] | None = None) -> dict[str, float]:
+    model, tokenizer = _load(path)
+    return demo_tasks.accuracy(model, tokenizer, str(data), split, tasks)
+
+
+def _mean(values: dict[str, float]) -> float:
+    return sum(values.values()) / len(values)
+
+
+def _tune(
+    models: DemoModels, root: Path, method: str, key: str, values: tuple[float, ...], **fixed: float
+) -> float:
+    """The value of ``key`` whose merge scores best on validation (merged in this process)."""
+    from mergekit_bmm.recipes.run import merge_recipe_text
+
+    best, best_score = values[0], -1.0
+    for value in values:
+        out = root / "tuning" / f"{method}-{key}-{value}"
+        merge_recipe_text(yaml.safe_dump(_recipe(models, method, **fixed, **{key: value})), out)
+        score = _mean(_accuracy(out, models.data, "validation"))
+        if score > best_score:
+            best, best_score = value, score
+    return best
+
+
+def _search_config(models: DemoModels, recipe: Path, budget: int) -> dict:
+    return {
+        "recipe": str(recipe),
+        "blocks": 1,
+        "budget": budget,
+        "n_initial": min(4, budget),
+        "seed": 0,
+        "evaluator": {
+            "type": "python",
+            "callable": "mergekit_bmm.examples.demo_tasks:score",
+            "examples": "mergekit_bmm.examples.demo_tasks:examples",
+            "args": {"data": str(models.data), "split": "validation"},
+        },
+    }
+
+
+def run_demo(root: Path, size: DemoSize = FULL, say: Callable[[str], None] = print) -> DemoResult:
+    """Every step of the demo under ``root``; returns what it measured."""
+    steps = 6
+    started = time.perf_counter()
+    say(f"[1/{steps}] pre-training a tiny Llama and fine-tuning 4 experts in {root}/models ...")
+    models = build(root, size)
+    result = DemoResult(root=root, models=models)
+    result.seconds["models"] = time.perf_counter() - started
+
+    mark = time.perf_counter()
+    weight = _tune(models, root, "task_arithmetic", "weight", TA_WEIGHTS)
+    density = _tune(models, root, "ties", "density", TIES_DENSITIES, weight=1.0)
+    plan = {
+        "task_arithmetic": _recipe(models, "task_arithmetic", weight=weight),
+        "ties": _recipe(models, "ties", weight=1.0, density=density),
+        "bmm": _recipe(models, "bmm", weight=weight, anchor_method="task_arithmetic"),
+    }
+    notes = {
+        "task_arithmetic": f"weight {weight} (best on validation of {', '.join(map(str, TA_WEIGHTS))})",
+        "ties": f"density {density} (best on validation of {', '.join(map(str, TIES_DENSITIES))})",
+        "bmm": "at its defaults (lambda 0.1, scale 1.0), over that Task Arithmetic",
+    }
+    for step, (name, recipe) in enumerate(plan.items(), start=2):
+        path = root / f"{name}.yml"
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
+        result.recipes[name], result.merged[name] = path, root / name
+        say(f"[{step}/{steps}] mergekit-yaml {path.name} -> {root / name}  ({notes[name]})")
+        _run([_bin("mergekit-yaml"), str(path), str(root / name)], result)
+    result.seconds["merges"] = time.perf_counter() - mark
+
+    mark = time.perf_counter()
+    search_yml = root / "search.yml"
+    search_yml.write_text(
+        yaml.safe_dump(_search_config(models, result.recipes["bmm"], size.budget), sort_keys=False),
+        encoding="utf-8",
+    )
+    trials = f"{size.budget} trials of data-free bmm over Task Arithmetic"
+    say(f"[5/{steps}] mergekit-bmm-search search.yml -> {root / 'search'}  ({trials})")
+    _run(
+        [_bin("mergekit-bmm-search"), str(search_yml), str(root / "search"), "--device", "cpu"],
+        result,
+        show=True,
+    )
+    summary = json.loads((root / "search" / "summary.json").read_text(encoding="utf-8"))
+    result.merged["bmm searched"] = root / "search" / (summary.get("best_model") or "best")
+    if summary.get("convergence_plot"):
+        result.convergence_plot = str(root / "search" / summary["convergence_plot"])
+    result.seconds["search"] = time.perf_counter() - mark
+
+    mark = time.perf_counter()
+    say(f"[6/{steps}] scoring every model on the test split ...")
+    result.accuracy["base"] = _accuracy(models.base, models.data, "test")
+    result.accuracy["experts"] = {
+        task: _accuracy(path, models.data, "test", [task])[task] for task, path in models.experts.items()
+    }
+    for name, path in result.merged.items():
+        result.accuracy[name] = _accuracy(path, models.data, "test")
+    result.seconds["scoring"] = time.perf_counter() - mark
+    result.seconds["total"] = time.perf_counter() - started
+    return result
+
+
+ROWS = (
+    ("base", "base (before fine-tuning)"),
+    ("experts", "each expert on its own task"),
+    ("task_arithmetic", "Task Arithmetic"),
+    ("ties", "TIES"),
+    ("bmm", "BMM at its defaults"),
+    ("bmm searched", "BMM searched"),
+)
+
+
+def table(result: DemoResult) -> str:
+    """Test accuracy per task and on average, one row per model."""
+    tasks = [task.name for task in demo_tasks.TASKS]
+    header = f"{'test accuracy (%)':<30}" + "".join(f"{t:>9}" for t in tasks) + f"{'mean':>9}"
+    lines = [header, "-" * len(header)]
+    for key, label in ROWS:
+        found = result.accuracy.get(key)
+        if found is None:
+            continue
+        cells = "".join(f"{100 * found[t]:>9.1f}" for t in tasks)
+        lines.append(f"{label:<30}{cells}{100 * _mean(found):>9.1f}")
+    return "\n".join(lines)
+
+
+def what_next(result: DemoResult) -> str:
+    """Where everything is, and the commands that repeat each step."""
+    root = result.root
+    lines = [
+        f"tasks (each on its own alphabet; {len(demo_tasks.TASKS)} fixed heads, one per task): "
+        + "; ".join(f"{task.name}: {task.question}" for task in demo_tasks.TASKS),
+        f"models: {root / 'models'}/   data: {result.models.data}/",
+        f"search: {root / 'search'}/ (summary.json, trials.jsonl, best.yml, best/)",
+    ]
+    if result.convergence_plot:
+        lines.append(f"convergence: {result.convergence_plot}")
+    lines += ["", "Repeat any step, or run it on your own models (docs/your-own-models.md):"]
+    lines += [f"  {command}" for command in result.commands]
+    return "\n".join(lines)
