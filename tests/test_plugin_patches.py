@@ -106,20 +106,29 @@ def test_patches_are_gated_on_the_mergekit_version(monkeypatch):
     """A mergekit the patches were not written for is left alone, even where the probe matches."""
     from types import SimpleNamespace
 
-    def generate_card(config, config_yaml, name=None):
-        return "mergekit's card"
+    def run_merge(merge_config, out_path, options, config_source=None):
+        return "mergekit's merge"
 
-    card_patch = next(patch for patch in patches.PATCHES if patch.name == "plugin_card")
-    module = SimpleNamespace(__name__="mergekit.merge", generate_card=generate_card)
+    wrapper = next(patch for patch in patches.PATCHES if patch.name == "merge_wrapper")
+    module = SimpleNamespace(__name__="mergekit.merge", run_merge=run_merge)
     monkeypatch.setattr(patches, "mergekit_version", lambda: "9.9.9")
-    patches._apply(card_patch, module)
-    assert module.generate_card is generate_card
+    patches._apply(wrapper, module)
+    assert module.run_merge is run_merge
     monkeypatch.setattr(patches, "mergekit_version", lambda: patches.SUPPORTED_MERGEKIT[0])
     monkeypatch.setattr(patches, "APPLIED", [])
-    patches._apply(card_patch, module)
-    assert module.generate_card is not generate_card and patches.is_patched(card_patch, module)
-    non_plugin = SimpleNamespace(merge_method="linear")
-    assert module.generate_card(non_plugin, "merge_method: linear\n") == "mergekit's card"
+    patches._apply(wrapper, module)
+    assert module.run_merge is not run_merge and patches.is_patched(wrapper, module)
+
+
+def test_the_wrapper_uses_only_public_mergekit_attributes():
+    """Cards, records and pre-flight need no private attribute of mergekit's: only the alias fix reads one."""
+    import inspect
+
+    for patch in patches.PATCHES:
+        if patch.name == "optional_alias_check":
+            continue
+        source = inspect.getsource(patch.install)
+        assert "._" not in source.replace("functools.wraps", ""), patch.name
 
 
 def test_a_mergekit_upgrade_is_said_with_what_the_user_loses():

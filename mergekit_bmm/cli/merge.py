@@ -28,13 +28,13 @@ from mergekit_bmm.errors import exit_on_bmm_error
 def main(merge_options, config_file: str, out_path: str, force: bool) -> None:
     """Merge the recipe CONFIG_FILE into OUT_PATH, exactly as mergekit-yaml does."""
     with exit_on_bmm_error(verbose=merge_options.verbosity > 0):
-        from mergekit.merge import run_merge
-
         from mergekit_bmm.plugin import activate
         from mergekit_bmm.recipes.parse import load_recipe
         from mergekit_bmm.recipes.preflight import already_checked, check_merge, discarded_on_failure
 
         activate()
+        from mergekit.merge import run_merge  # after activate(): the plugin's wrapper
+
         apply_options(merge_options)
         recipe = load_recipe(config_file)
         with discarded_on_failure(out_path):

@@ -14,24 +14,18 @@ to list``. BERT's ``embeddings.position_ids`` is such a weight, so every BERT me
 at planning. The patch performs the same presence check correctly, skips the weight when
 no input has it (as mergekit means to), and otherwise plans it as mergekit does.
 
-``output_folder`` (``mergekit.plan``) — ``MergePlanner.plan_to_disk(out_path)`` is the one
-place where mergekit hands over the output folder of a merge. The wrapper remembers it
-for the configuration being planned, so the card seam below knows where the weights went.
-
-``plugin_card`` (``mergekit.merge``) — ``run_merge`` writes ``README.md`` from
-``generate_card(config, config_yaml, name)`` (imported by name into ``mergekit.merge``).
-For merges made with the plugin's methods the wrapper writes the merge record into the
-folder remembered for that very configuration object, and returns the plugin's own card
-(:mod:`mergekit_bmm.cards.card`), which never asks the Hub (mergekit's ``is_hf`` crashes
-offline on relative paths). If anything fails it returns a minimal card. Every other merge
-gets mergekit's own card.
-
-``merge_preflight`` (``mergekit.merge``) — ``run_merge(merge_config, out_path, ...)`` is
-where every merge starts (``mergekit-yaml`` imports it by name after the hook has run).
-The wrapper first runs :func:`mergekit_bmm.recipes.preflight.check_merge`: the method is
-registered, local model folders exist and are models of one hidden size, the output
-folder can be written; for the plugin's own methods also that it holds no file a merge
-did not write. A failed check is one line instead of mergekit's traceback.
+``merge_wrapper`` (``mergekit.merge``) — ``run_merge(merge_config, out_path, options,
+config_source)`` is where every merge starts (``mergekit-yaml`` imports it by name after the
+hook has run), and the one seam cards, records and pre-flight go through, with no private
+attribute of mergekit's. The wrapper first runs :func:`mergekit_bmm.recipes.preflight.check_merge`:
+the method is registered, local model folders exist and are models of one hidden size, the
+output folder can be written; for the plugin's own methods also that it holds no file a merge
+did not write. A failed check is one line instead of mergekit's traceback. For merges made
+with the plugin's methods it then runs mergekit with its public ``write_model_card`` option
+off (mergekit's card asks the Hub, and its ``is_hf`` crashes offline on relative paths) and,
+once the weights are written, writes the merge record, the plugin's card
+(:mod:`mergekit_bmm.cards.card`; a minimal card if that fails) and ``mergekit_config.yml``
+itself, as mergekit would have. Every other merge is mergekit's own, card included.
 """
 
 from __future__ import annotations
@@ -39,7 +33,6 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,95 +142,7 @@ def _install_optional_alias_check(plan_module) -> None:
     planner.plan_tensor = plan_tensor
 
 
-# ------------------------------------------------------------------ output_folder
-
-# Output folders of the latest planned merges, by the identity of their configuration
-# object (mergekit hands the same object to the planner and to generate_card). A few
-# entries suffice: a merge's card is written right after it is planned and run.
-_OUTPUT_FOLDERS: OrderedDict[int, tuple[Any, str]] = OrderedDict()
-_REMEMBERED = 16
-
-
-def output_folder_of(config: Any) -> Path | None:
-    """The folder that ``config`` was last planned to be written to, if known."""
-    entry = _OUTPUT_FOLDERS.get(id(config))
-    if entry is None or entry[0] is not config:
-        return None
-    return Path(entry[1])
-
-
-def _has_plan_to_disk(plan_module) -> bool:
-    import inspect
-
-    method = getattr(plan_module.MergePlanner, "plan_to_disk", None)
-    return method is not None and "out_path" in inspect.signature(method).parameters
-
-
-def _install_output_folder(plan_module) -> None:
-    planner = plan_module.MergePlanner
-    original = planner.plan_to_disk
-
-    @functools.wraps(original)
-    def plan_to_disk(self, out_path: str, *args, **kwargs):
-        _OUTPUT_FOLDERS[id(self.config)] = (self.config, str(out_path))
-        while len(_OUTPUT_FOLDERS) > _REMEMBERED:
-            _OUTPUT_FOLDERS.popitem(last=False)
-        return original(self, out_path, *args, **kwargs)
-
-    setattr(plan_to_disk, _MARK, True)
-    planner.plan_to_disk = plan_to_disk
-
-
-# ------------------------------------------------------------------- plugin_card
-
-
-def _has_generate_card(merge_module) -> bool:
-    import inspect
-
-    function = getattr(merge_module, "generate_card", None)
-    if function is None:
-        return False
-    return {"config", "config_yaml", "name"} <= set(inspect.signature(function).parameters)
-
-
-def plugin_card(config: Any, config_yaml: str, name: str | None) -> str:
-    """The merge record and the plugin's card for a merge made with one of its methods."""
-    from mergekit_bmm.cards import card
-
-    out_dir = output_folder_of(config)
-    if out_dir is None or not out_dir.is_dir():
-        LOG.warning(
-            "mergekit-bmm: output folder unknown; the merge record (weights fingerprint) is not written"
-        )
-        out_dir = None
-    else:
-        try:
-            card.record_merge(out_dir, config_yaml)
-        except Exception as error:
-            LOG.warning("mergekit-bmm: could not write the merge record: %s", error)
-    try:
-        return card.merge_card(config_yaml, out_dir=out_dir, name=name)
-    except Exception as error:
-        LOG.warning("mergekit-bmm: could not build the full model card (%s); writing a minimal one", error)
-        return card.minimal_card(config, config_yaml, name)
-
-
-def _install_plugin_card(merge_module) -> None:
-    from mergekit_bmm.plugin import method_names
-
-    original = merge_module.generate_card
-
-    @functools.wraps(original)
-    def generate_card(config, config_yaml, name=None):
-        if getattr(config, "merge_method", None) not in method_names():
-            return original(config, config_yaml, name)
-        return plugin_card(config, config_yaml, name)
-
-    setattr(generate_card, _MARK, True)
-    merge_module.generate_card = generate_card
-
-
-# ---------------------------------------------------------------- merge_preflight
+# ------------------------------------------------------------------ merge_wrapper
 
 
 def _has_run_merge(merge_module) -> bool:
@@ -246,23 +151,48 @@ def _has_run_merge(merge_module) -> bool:
     function = getattr(merge_module, "run_merge", None)
     if function is None:
         return False
-    return list(inspect.signature(function).parameters)[:2] == ["merge_config", "out_path"]
+    names = list(inspect.signature(function).parameters)
+    return names[:4] == ["merge_config", "out_path", "options", "config_source"]
 
 
-def _install_merge_preflight(merge_module) -> None:
+def write_plugin_card(out_dir: Path, merge_config: Any, config_yaml: str) -> None:
+    """The merge record, the plugin's card and ``mergekit_config.yml`` of a finished merge."""
+    from mergekit_bmm.cards import card
+
+    try:
+        card.record_merge(out_dir, config_yaml)
+    except Exception as error:
+        LOG.warning("mergekit-bmm: could not write the merge record: %s", error)
+    try:
+        text = card.merge_card(config_yaml, out_dir=out_dir, name=out_dir.name)
+    except Exception as error:
+        LOG.warning("mergekit-bmm: could not build the full model card (%s); writing a minimal one", error)
+        text = card.minimal_card(merge_config, config_yaml, out_dir.name)
+    (out_dir / "README.md").write_text(text, encoding="utf-8")
+    (out_dir / "mergekit_config.yml").write_text(config_yaml, encoding="utf-8")
+
+
+def _install_merge_wrapper(merge_module) -> None:
     from mergekit_bmm.plugin import method_names
     from mergekit_bmm.recipes import preflight
 
     original = merge_module.run_merge
 
     @functools.wraps(original)
-    def run_merge(merge_config, out_path, *args, **kwargs):
-        if not preflight.checks_pending():
-            return original(merge_config, out_path, *args, **kwargs)
-        with preflight.discarded_on_failure(out_path):
-            ours = getattr(merge_config, "merge_method", None) in method_names()
-            preflight.check_merge(merge_config, out_path, guard_folder=ours)
-            return original(merge_config, out_path, *args, **kwargs)
+    def run_merge(merge_config, out_path, options, config_source=None, *args, **kwargs):
+        ours = getattr(merge_config, "merge_method", None) in method_names()
+        card = ours and bool(getattr(options, "write_model_card", False))
+        if card:  # written here, after the weights: mergekit's card would ask the Hub
+            options = options.model_copy(update={"write_model_card": False})
+        if preflight.checks_pending():
+            with preflight.discarded_on_failure(out_path):
+                preflight.check_merge(merge_config, out_path, guard_folder=ours)
+                result = original(merge_config, out_path, options, config_source, *args, **kwargs)
+        else:
+            result = original(merge_config, out_path, options, config_source, *args, **kwargs)
+        if card:  # mergekit's own rule: the recipe text, else the configuration as it ends the merge
+            write_plugin_card(Path(out_path), merge_config, config_source or merge_config.to_yaml())
+        return result
 
     setattr(run_merge, _MARK, True)
     merge_module.run_merge = run_merge
@@ -279,28 +209,14 @@ PATCHES = (
         absent_is_fine=True,
     ),
     Patch(
-        "output_folder",
-        "mergekit.plan",
-        "MergePlanner.plan_to_disk",
-        _has_plan_to_disk,
-        _install_output_folder,
-        "bmm merges get no merge record (mergekit_bmm_merge.json), so mergekit-bmm-publish refuses them",
-    ),
-    Patch(
-        "plugin_card",
-        "mergekit.merge",
-        "generate_card",
-        _has_generate_card,
-        _install_plugin_card,
-        "bmm merges get mergekit's generic model card instead of the BMM card, and no merge record",
-    ),
-    Patch(
-        "merge_preflight",
+        "merge_wrapper",
         "mergekit.merge",
         "run_merge",
         _has_run_merge,
-        _install_merge_preflight,
-        "bad recipes fail with mergekit's traceback instead of one line, and OUT_PATH is not guarded",
+        _install_merge_wrapper,
+        "bad recipes fail with mergekit's traceback instead of one line, OUT_PATH is not guarded, and bmm "
+        "merges get mergekit's generic model card (which asks the Hub) and no merge record, so "
+        "mergekit-bmm-publish refuses them",
     ),
 )
 _WARNED: set[str] = set()

@@ -41,11 +41,12 @@ def merge_recipe_text(
     they are now. ``options`` default to ``mergekit-yaml``'s (quiet, tokenizer copied).
     """
     from mergekit.io.tasks import LoaderCache
-    from mergekit.merge import run_merge
 
     from mergekit_bmm.plugin import activate
 
     activate()
+    from mergekit.merge import run_merge  # after activate(): the plugin's wrapper
+
     quiet_mergekit()
     LoaderCache().loaders.clear()
     config = parse_recipe(text, source).config

@@ -280,7 +280,7 @@ def sample_models(
 ) -> Summary:
     """Write ``OUT/map`` and ``OUT/sample-000`` …; return (and write) the summary. ``force``
     replaces an earlier finished run of this command in ``out_dir``."""
-    from mergekit.merge import run_merge
+    import mergekit.merge
     from mergekit.options import MergeOptions
 
     options = options or MergeOptions()
@@ -295,7 +295,8 @@ def sample_models(
     created = not out.exists()
     prepare_out(out, force)
     try:
-        summary = _sample(config, text, source, out, request, options, run_merge)
+        # looked up now, not at import: the plugin's wrapper once it is activated
+        summary = _sample(config, text, source, out, request, options, mergekit.merge.run_merge)
     except BaseException:
         clear_ours(out)
         if created and not any(out.iterdir()):
