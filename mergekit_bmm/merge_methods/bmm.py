@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -155,50 +156,9 @@ class BMMMerge(GroupMergeMethod):
                 _note_unsolved(name)
             return self.unsolved(settings, source, cache).to(base.dtype)
 
-        dtype = settings.compute_dtype
         transpose = _stored_in_out(settings.weight_layout, info.stored_in_out)
-        orient = (lambda m: m.T) if transpose else (lambda m: m)
-        shape = tuple(orient(base).shape)
-        key = cache_key.factor_key(settings, source, transpose) if cache else ""
-        factors = cache.load_factors(name, key, shape, dtype) if cache else None
-        if factors is None:
-            check_finite(group)
-            base_c = base.to(dtype)
-            anchor_full = source.weight(dtype)
-            task_vectors = [orient(entry.tensor.to(dtype) - base_c) for entry in tasks]
-            prior = orient(anchor_full - base_c)
-            del anchor_full
-            equations = self.normal_equations(settings, group, tasks, task_vectors)
-            if cache is None:
-                merged = closed_form.merge_matrix(equations, prior, settings.lam, settings.lambda_mode)
-                if solved_tensors.active():  # mergekit-bmm-sample is listening
-                    ridge = closed_form.effective_ridge(settings.lam, equations, settings.lambda_mode)
-                    solved = (name, equations.gram, ridge, merged, base_c, settings.scale, transpose)
-                    solved_tensors.report(SolvedTensor(*solved, base.dtype, dtype))
-                return (base_c + settings.scale * orient(merged)).to(base.dtype)
-            # Factorised once in float64: the cached route is then at least as accurate as
-            # the direct one (see closed_form.eigen_factors); trials solve in `dtype`.
-            rank = thin_rank(settings, len(tasks), *prior.shape)
-            factors = fill_factors(cache, name, key, equations, prior, orient(base_c), settings, rank)
-            del equations, prior, task_vectors
-        # A cache hit does not re-check the inputs for NaN/Inf: they were checked when the
-        # entry was built, and its key ties it to that content.
-        factors = factors.to(base.device)
-        if solved_tensors.wants_factors():  # the search's resident trials are listening
-            solved_tensors.report_factors(
-                FactoredTensor(
-                    name,
-                    factors,
-                    base,
-                    transpose,
-                    settings.lambda_mode,
-                    lambda: cache.load_factors(name, key, shape, dtype),
-                )
-            )
-        if solved_tensors.active():  # mergekit-bmm-sample is listening
-            return _report_from_factors(name, factors, base, settings, transpose)
-        ridge = factors.ridge(settings.lam, settings.lambda_mode)
-        return closed_form.weight_from_factors(factors, base, ridge, settings.scale, transpose)
+        solve = _Solve(name, group, tuple(tasks), source, settings, transpose, self.normal_equations)
+        return solve.direct() if cache is None else solve.cached(cache)
 
     def unsolved(
         self, settings: BMMSettings, source: AnchorSource, cache: FactorCache | None
@@ -253,22 +213,102 @@ class BMMMerge(GroupMergeMethod):
         return closed_form.mix_equations(few, data_free, settings.epsilon)
 
 
-def _report_from_factors(
-    name: str, factors: closed_form.EigenFactors, base: torch.Tensor, settings: BMMSettings, transpose: bool
-) -> torch.Tensor:
-    """The cached merge with the MAP ``U`` spelled out, told to the sampler.
+@dataclass(frozen=True)
+class _Solve:
+    """One weight's closed form, solved directly or through the factor cache.
 
-    The sampler gets ``G``'s eigen factors instead of ``G``: the posterior needs no second
-    eigendecomposition, and a cache hit never re-forms ``G`` at all.
+    Both routes end in :meth:`_output`, the one place that tells a listening sampler
+    (:mod:`~mergekit_bmm.merge_methods.observer`) what was solved; the cached route also
+    hands its factors to a listening search.
     """
-    ridge = factors.ridge(settings.lam, settings.lambda_mode)
-    merged = closed_form.solve_from_factors(factors, ridge)
-    base_c = base.to(merged.dtype)
-    eigen = factors.complete_eigen(merged.dtype)
-    solved = (name, None, ridge, merged, base_c, settings.scale, transpose, base.dtype, merged.dtype)
-    solved_tensors.report(SolvedTensor(*solved, eigen=eigen))
-    oriented = merged.T if transpose else merged
-    return (base_c + settings.scale * oriented).to(base.dtype)
+
+    name: str
+    group: TensorGroup
+    tasks: tuple[TensorEntry, ...]
+    source: AnchorSource
+    settings: BMMSettings
+    transpose: bool
+    equations_for: Callable[..., closed_form.NormalEquations]
+
+    def orient(self, matrix: torch.Tensor) -> torch.Tensor:
+        return matrix.T if self.transpose else matrix
+
+    @property
+    def base(self) -> torch.Tensor:
+        return self.group.base.tensor
+
+    def _problem(self) -> tuple[closed_form.NormalEquations, torch.Tensor, torch.Tensor]:
+        """``G``, ``C`` and the prior ``U0`` from the inputs (checked for NaN/Inf), and ``W_pre``."""
+        check_finite(self.group)
+        dtype = self.settings.compute_dtype
+        base_c = self.base.to(dtype)
+        task_vectors = [self.orient(entry.tensor.to(dtype) - base_c) for entry in self.tasks]
+        prior = self.orient(self.source.weight(dtype) - base_c)
+        return self.equations_for(self.settings, self.group, self.tasks, task_vectors), prior, base_c
+
+    def direct(self) -> torch.Tensor:
+        settings = self.settings
+        equations, prior, base_c = self._problem()
+        merged = closed_form.merge_matrix(equations, prior, settings.lam, settings.lambda_mode)
+        ridge = lambda: closed_form.effective_ridge(settings.lam, equations, settings.lambda_mode)  # noqa: E731
+        return self._output(merged, base_c, ridge, settings.compute_dtype, gram=equations.gram)
+
+    def cached(self, cache: FactorCache) -> torch.Tensor:
+        settings, dtype = self.settings, self.settings.compute_dtype
+        key = cache_key.factor_key(settings, self.source, self.transpose)
+        shape = tuple(self.orient(self.base).shape)
+        factors = cache.load_factors(self.name, key, shape, dtype)
+        if factors is None:
+            # Factorised once in float64: the cached route is then at least as accurate as
+            # the direct one (see closed_form.eigen_factors); trials solve in `dtype`.
+            equations, prior, base_c = self._problem()
+            rank = thin_rank(settings, len(self.tasks), *prior.shape)
+            factors = fill_factors(
+                cache, self.name, key, equations, prior, self.orient(base_c), settings, rank
+            )
+            del equations, prior
+        # A cache hit does not re-check the inputs for NaN/Inf: they were checked when the
+        # entry was built, and its key ties it to that content.
+        factors = factors.to(self.base.device)
+        if solved_tensors.wants_factors():  # the search's resident trials are listening
+            reload = lambda: cache.load_factors(self.name, key, shape, dtype)  # noqa: E731
+            solved_tensors.report_factors(
+                FactoredTensor(self.name, factors, self.base, self.transpose, settings.lambda_mode, reload)
+            )
+        ridge = factors.ridge(settings.lam, settings.lambda_mode)
+        if not solved_tensors.active():
+            return closed_form.weight_from_factors(factors, self.base, ridge, settings.scale, self.transpose)
+        # The sampler gets G's eigen factors instead of G: no second eigendecomposition.
+        merged = closed_form.solve_from_factors(factors, ridge)
+        eigen = factors.complete_eigen(merged.dtype)
+        return self._output(merged, self.base.to(merged.dtype), lambda: ridge, merged.dtype, eigen=eigen)
+
+    def _output(
+        self,
+        merged: torch.Tensor,
+        base_c: torch.Tensor,
+        ridge: Callable[[], float],
+        compute_dtype: torch.dtype,
+        gram: torch.Tensor | None = None,
+        eigen: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``W_pre + s·U`` in the base's dtype; a listening sampler is told the solve."""
+        if solved_tensors.active():  # mergekit-bmm-sample is listening
+            solved_tensors.report(
+                SolvedTensor(
+                    self.name,
+                    gram,
+                    ridge(),
+                    merged,
+                    base_c,
+                    self.settings.scale,
+                    self.transpose,
+                    self.base.dtype,
+                    compute_dtype,
+                    eigen=eigen,
+                )  # fmt: skip
+            )
+        return (base_c + self.settings.scale * self.orient(merged)).to(self.base.dtype)
 
 
 def _stored_in_out(weight_layout: str, detected: bool) -> bool:
