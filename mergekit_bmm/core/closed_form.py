@@ -222,7 +222,7 @@ def _ridge_dominates(ridge: float, diagonal_max: float) -> bool:
     return ridge > max(diagonal_max, 0.0)
 
 
-def zero_tolerance(eigenvalue_max: float, d_in: int, dtype: torch.dtype) -> float:
+def eigenvalue_floor(eigenvalue_max: float, d_in: int, dtype: torch.dtype) -> float:
     """Eigenvalues at or below this are numerically zero (numpy's pinv convention)."""
     return max(eigenvalue_max, 0.0) * d_in * torch.finfo(dtype).eps
 
@@ -234,7 +234,7 @@ def _diagonal_max(gram: torch.Tensor) -> float:
 
 def _ridge_is_regular(ridge: float, diagonal_max: float, d_in: int, dtype: torch.dtype) -> bool:
     """Whether ``G + λ'I`` is solved as is (True) or by the λ' → 0⁺ limit (False)."""
-    return ridge > zero_tolerance(diagonal_max, d_in, dtype)
+    return ridge > eigenvalue_floor(diagonal_max, d_in, dtype)
 
 
 @dataclass(frozen=True)
@@ -391,7 +391,7 @@ def correction_weights(factors: EigenFactors, ridge: float, folded: bool = True)
             kept = torch.ones_like(eigenvalues, dtype=torch.bool)
         else:
             largest = float(eigenvalues.max()) if eigenvalues.numel() else 0.0
-            tolerance = zero_tolerance(largest, factors.d_in, compute)
+            tolerance = eigenvalue_floor(largest, factors.d_in, compute)
             kept = eigenvalues > tolerance
             if factors.rank < factors.d_in or not bool(kept.all()):
                 _note_zero_ridge_limit(ridge, tolerance)

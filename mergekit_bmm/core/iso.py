@@ -12,7 +12,7 @@ averages over all ``r`` singular values and uses all ``r`` directions even when 
 rank-deficient (low-rank experts such as merged LoRA adapters, untouched modules). The
 extra directions are then arbitrary null-space vectors chosen by the SVD routine — the
 output changes with the library and device — and carry weight ``s̄``. Here directions
-with numerically zero singular values (see :func:`~mergekit_bmm.core.merge_tools.zero_tolerance`)
+with numerically zero singular values (see :func:`~mergekit_bmm.core.merge_tools.singular_value_floor`)
 are left out and ``s̄`` is the mean over the kept ones, which keeps the reference's
 invariant ``‖τ_ISO‖_* = ‖Σ‖_*`` for ISO-C. For full-rank inputs both are identical.
 """
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mergekit_bmm.core.merge_tools import as_matrices, orthonormal_factor, zero_tolerance
+from mergekit_bmm.core.merge_tools import as_matrices, orthonormal_factor, singular_value_floor
 from mergekit_bmm.errors import ConfigError
 
 
@@ -41,7 +41,7 @@ def iso_c_merge(task_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
     left, singular, right = torch.linalg.svd(total, full_matrices=False)
     if singular.numel() == 0:
         return total
-    kept = singular > zero_tolerance(float(singular[0]), total.shape, total.dtype)
+    kept = singular > singular_value_floor(float(singular[0]), total.shape, total.dtype)
     if not bool(kept.any()):
         return torch.zeros_like(total)
     return singular[kept].mean() * (left[:, kept] @ right[kept, :])
@@ -74,7 +74,7 @@ def iso_cts_merge(task_vectors: Sequence[torch.Tensor], common_space_fraction: f
     left, singular, right = torch.linalg.svd(total, full_matrices=False)
     if singular.numel() == 0:
         return total
-    tolerance = zero_tolerance(float(singular[0]), total.shape, total.dtype)
+    tolerance = singular_value_floor(float(singular[0]), total.shape, total.dtype)
     kept = int((singular[:common] > tolerance).sum())
     common_left = left[:, :kept]
     lefts, values, rights = [common_left], [singular[:kept]], [right[:kept, :]]

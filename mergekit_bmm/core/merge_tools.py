@@ -6,7 +6,7 @@ products in which those choices cancel. What does *not* cancel is a direction wh
 value is (numerically) zero: the SVD routine fills such directions with arbitrary orthonormal
 vectors, and a different library, device or thread count picks different ones. Every
 function in this package therefore drops directions with singular values at or below
-:func:`zero_tolerance` instead of letting them reach the output.
+:func:`singular_value_floor` instead of letting them reach the output.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def mean_task_vector(task_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
     return total / len(task_vectors)
 
 
-def zero_tolerance(scale: float, shape: Sequence[int], dtype: torch.dtype) -> float:
+def singular_value_floor(scale: float, shape: Sequence[int], dtype: torch.dtype) -> float:
     """Singular values at or below ``√max(m, n)·eps·scale`` are numerically zero.
 
     ``scale`` is the largest singular value. Rounding leaves the singular values of an exactly
@@ -79,7 +79,7 @@ def orthonormal_factor(matrix: torch.Tensor) -> torch.Tensor:
     left, singular, right = torch.linalg.svd(matrix, full_matrices=False)
     if singular.numel() == 0:
         return torch.zeros_like(matrix)
-    kept = singular > zero_tolerance(float(singular[0]), matrix.shape, matrix.dtype)
+    kept = singular > singular_value_floor(float(singular[0]), matrix.shape, matrix.dtype)
     return left[:, kept] @ right[kept, :]
 
 
@@ -87,7 +87,7 @@ def solve_normal(gram: torch.Tensor, cross: torch.Tensor, fallback: torch.Tensor
     """``cross · gram⁻¹`` for a symmetric PSD ``gram``: the stationary point of a quadratic merge.
 
     Cholesky when ``gram`` is numerically nonsingular (every pivot above the zero tolerance
-    of :func:`mergekit_bmm.core.closed_form.zero_tolerance`). Otherwise the exact λ → 0⁺ limit
+    of :func:`mergekit_bmm.core.closed_form.eigenvalue_floor`). Otherwise the exact λ → 0⁺ limit
     of the ridge solution from :mod:`mergekit_bmm.core.closed_form`: the pseudo-inverse solution
     in the directions ``gram`` sees, and ``fallback`` in the directions it does not.
     """
@@ -95,7 +95,7 @@ def solve_normal(gram: torch.Tensor, cross: torch.Tensor, fallback: torch.Tensor
 
     d_in = gram.shape[-1]
     scale = float(torch.diagonal(gram).max()) if gram.numel() else 0.0
-    tolerance = closed_form.zero_tolerance(scale, d_in, gram.dtype)
+    tolerance = closed_form.eigenvalue_floor(scale, d_in, gram.dtype)
     if scale > 0:
         factor, info = torch.linalg.cholesky_ex(gram)
         if int(info) == 0 and float(torch.diagonal(factor).square().min()) > tolerance:

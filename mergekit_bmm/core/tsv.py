@@ -25,7 +25,12 @@ from collections.abc import Sequence
 
 import torch
 
-from mergekit_bmm.core.merge_tools import as_matrices, mean_task_vector, orthonormal_factor, zero_tolerance
+from mergekit_bmm.core.merge_tools import (
+    as_matrices,
+    mean_task_vector,
+    orthonormal_factor,
+    singular_value_floor,
+)
 
 
 def tsv_factors(task_vectors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,7 +47,7 @@ def tsv_factors(task_vectors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tor
         left, singular, right = torch.linalg.svd(vector, full_matrices=False)
         if singular.numel() == 0:
             continue
-        tolerance = zero_tolerance(float(singular[0]), vector.shape, vector.dtype)
+        tolerance = singular_value_floor(float(singular[0]), vector.shape, vector.dtype)
         kept = min(per_task, int((singular > tolerance).sum()))
         lefts.append(left[:, :kept])
         values.append(singular[:kept])

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy
 import torch
 
-from mergekit_bmm.core.closed_form import zero_tolerance
+from mergekit_bmm.core.closed_form import eigenvalue_floor
 from mergekit_bmm.errors import ConfigError
 
 
@@ -90,7 +90,7 @@ class RowPosterior:
         eigenvalues = eigenvalues.detach().to(device="cpu", dtype=torch.float64)
         basis = basis.detach().to(device="cpu", dtype=torch.float64)
         largest = float(eigenvalues.max()) if eigenvalues.numel() else 0.0
-        tolerance = zero_tolerance(largest, basis.shape[0], solve_dtype)
+        tolerance = eigenvalue_floor(largest, basis.shape[0], solve_dtype)
         eigenvalues = torch.where(eigenvalues > tolerance, eigenvalues, torch.zeros_like(eigenvalues))
         if ridge <= 0 and bool((eigenvalues == 0).any()):
             rank = int((eigenvalues > 0).sum())
