@@ -66,24 +66,6 @@ def test_training_without_a_plateau_runs_to_the_cap_and_keeps_the_last_best():
     assert all(torch.equal(model.state_dict()[k], seen[-1][k]) for k in seen[-1])
 
 
-def test_zero_shot_head_is_scaled_unit_description_embeddings(tmp_path):
-    """Each row is scale · the unit embedding of its class's description (the class name if none)."""
-    from bench.merging.heads import class_descriptions, zero_shot_weight
-    from mergekit_bmm.errors import ConfigError
-    from mergekit_bmm.evaluation.classification import pooled_features
-    from mergekit_bmm.examples.tiny_models import make_base
-
-    model, tokenizer = make_base("bert", hidden=32, layers=2, seed=0)
-    texts = class_descriptions(("pos", "neg_review"), {"pos": "a happy text"})
-    assert texts == ["a happy text", "neg review"]
-    weight = zero_shot_weight(model, tokenizer, texts, "mean", 16, 20.0)
-    assert torch.allclose(weight.norm(dim=-1), torch.full((2,), 20.0, dtype=torch.float64))
-    one = pooled_features(model, tokenizer, texts[1:], 16, 1).double()
-    assert torch.allclose(weight[1], 20 * one[0] / one[0].norm(), atol=1e-5)
-    with pytest.raises(ConfigError, match="descriptions name classes"):
-        class_descriptions(("pos", "neg"), {"neutral": "x"})
-
-
 def _flags(rng, accuracy: float, n: int = 300) -> dict[str, np.ndarray]:
     return {task: (rng.random(n) < accuracy).astype(float) for task in ("a", "b")}
 

@@ -239,3 +239,22 @@ def test_lm_eval_local_task_scores_like_lm_eval_itself(tiny_llama, monkeypatch):
     f1 = config.model_copy(update={"tasks": [config.tasks[0].model_copy(update={"metric": "f1"})]})
     with pytest.raises(ConfigError, match="has no metric 'f1'; it reports: acc,none"):
         LMEvalEvaluator(f1, "cpu").extract(reference)
+
+
+def test_a_zero_shot_head_is_scaled_unit_description_embeddings(tiny_bert, tmp_path):
+    """Each row is scale · the unit embedding of its class's description (the class name if none)."""
+    from mergekit_bmm.evaluation.classification import load_head, pooled_features
+    from mergekit_bmm.evaluation.zero_shot import build_zero_shot_head, class_descriptions
+
+    texts = class_descriptions(("pos", "neg_review"), {"pos": "a happy text"})
+    assert texts == ["a happy text", "neg review"]
+    path = build_zero_shot_head(tiny_bert, tmp_path / "head.safetensors", ["pos", "neg_review"],
+                                {"pos": "a happy text"}, max_length=16)  # fmt: skip
+    head = load_head(str(path))
+    assert head.labels == ("pos", "neg_review") and head.normalize == "l2"
+    assert torch.allclose(head.weight.norm(dim=-1), torch.full((2,), 20.0), atol=1e-4)
+    model, tokenizer = load(tiny_bert)
+    one = pooled_features(model, tokenizer, texts[1:], 16, 1).double()
+    assert torch.allclose(head.weight[1].double(), 20 * one[0] / one[0].norm(), atol=1e-5)
+    with pytest.raises(ConfigError, match="descriptions name classes"):
+        class_descriptions(("pos", "neg"), {"neutral": "x"})

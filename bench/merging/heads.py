@@ -27,8 +27,8 @@ import torch
 from bench.merging.cache import Stage, files_fingerprint, stable_key
 from bench.merging.config import HeadSpec
 from bench.merging.tasks import HEAD_SPLIT, TaskData
-from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.evaluation.classification import load_head, pooled_features, save_head
+from mergekit_bmm.evaluation.zero_shot import class_descriptions, zero_shot_weight
 
 HEAD_FILE = "head.safetensors"
 FEATURES_FILE = "features.safetensors"
@@ -135,24 +135,6 @@ def pretrained_features(
     stage.get(produce)
     tensors = load_file(str(stage.path / FEATURES_FILE))
     return tensors["features"].numpy().astype(np.float64), tensors["labels"].numpy()
-
-
-def class_descriptions(labels: tuple[str, ...], descriptions: dict[str, str]) -> list[str]:
-    """One text per class: its description, or the class name itself where none is given."""
-    unknown = sorted(set(descriptions) - set(labels))
-    if unknown:
-        raise ConfigError(
-            f"descriptions name classes the task does not have: {unknown[:3]}; classes: {list(labels)}"
-        )
-    return [descriptions.get(label, label.replace("_", " ")) for label in labels]
-
-
-def zero_shot_weight(
-    model, tokenizer, texts: list[str], pooling: str, max_length: int, scale: float
-) -> torch.Tensor:
-    """``scale ·`` the unit-length pooled embeddings of ``texts``, one row per class."""
-    embedded = pooled_features(model, tokenizer, texts, max_length, max(1, len(texts)), pooling)
-    return scale * torch.nn.functional.normalize(embedded.double(), dim=-1)
 
 
 def build_head(
