@@ -24,8 +24,11 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench package, run as a script
 
 import torch  # noqa: E402
+
+from bench.common import reset_peak_rss, status_mib  # noqa: E402
 
 BASELINE = "task_arithmetic"
 
@@ -82,13 +85,6 @@ def recipe(family, fragment: dict, anchors: dict[str, Path]) -> dict:
     }
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
 def _merge_in_child(connection, config: dict, out_dir: str, threads: int) -> None:
     torch.set_num_threads(threads)
     from mergekit.config import MergeConfiguration
@@ -96,8 +92,8 @@ def _merge_in_child(connection, config: dict, out_dir: str, threads: int) -> Non
     from mergekit.options import MergeOptions
 
     try:
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark
-        start_rss = _status_kb("VmRSS")
+        reset_peak_rss()
+        start_rss = status_mib("VmRSS")
         start = time.perf_counter()
         run_merge(
             MergeConfiguration.model_validate(config),
@@ -105,7 +101,7 @@ def _merge_in_child(connection, config: dict, out_dir: str, threads: int) -> Non
             options=MergeOptions(copy_tokenizer=False, quiet=True, write_model_card=False),
         )
         elapsed = time.perf_counter() - start
-        connection.send(("ok", elapsed, max(_status_kb("VmHWM") - start_rss, 0) / 1024))
+        connection.send(("ok", elapsed, max(status_mib("VmHWM") - start_rss, 0)))
     except Exception as error:  # reported by the parent
         connection.send(("error", f"{type(error).__name__}: {error}", 0.0))
     finally:

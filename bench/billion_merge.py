@@ -33,7 +33,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -45,7 +44,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from bench.common import ensure_llama_family, gemm_floor, solved_shapes  # noqa: E402
+from bench.common import PeakSampler, ensure_llama_family, gemm_floor, solved_shapes  # noqa: E402
 from bench.merge_speed import DEFAULT_CACHE, closed_form_floor, recipe  # noqa: E402
 
 SHAPE = {"hidden": 2048, "intermediate": 8192, "heads": 32, "kv_heads": 8}
@@ -64,18 +63,6 @@ def family(models: Path, layers: int) -> dict:
     )
 
 
-def _status_kib(pid: int) -> dict[str, int]:
-    values = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "RssAnon"):
-                values[key] = int(rest.split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    return values
-
-
 def run_mergekit(config: dict, out: Path, work: Path) -> dict:
     """One stock ``mergekit-yaml`` run: seconds, peak RSS and peak private memory (MiB)."""
     work.mkdir(parents=True, exist_ok=True)
@@ -86,29 +73,18 @@ def run_mergekit(config: dict, out: Path, work: Path) -> dict:
         str(Path(sys.executable).with_name("mergekit-yaml")), str(recipe_path), str(out),
         "--lazy-unpickle", "--out-shard-size", SHARD, "--no-copy-tokenizer", "--quiet",
     ]  # fmt: skip
-    peaks = {"VmRSS": 0, "RssAnon": 0}
     started = time.perf_counter()
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            for key, value in _status_kib(process.pid).items():
-                peaks[key] = max(peaks[key], value)
-            time.sleep(0.05)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    sampler = PeakSampler("VmRSS", "RssAnon", pid=process.pid, interval=0.05)
     _, errors = process.communicate()
     seconds = time.perf_counter() - started
-    done.set()
-    sampler.join()
+    peaks = sampler.stop()
     if process.returncode != 0:
         raise SystemExit(f"mergekit-yaml failed on {recipe_path}:\n{errors[-3000:]}")
     return {
         "seconds": seconds,
-        "peak_rss_mib": peaks["VmRSS"] / 1024,
-        "peak_private_mib": peaks["RssAnon"] / 1024,
+        "peak_rss_mib": peaks["VmRSS"],
+        "peak_private_mib": peaks["RssAnon"],
     }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -84,12 +85,58 @@ def move_body_low_rank(model, strength: float, seed: int, rank: int = 8, noise: 
                 parameter += left @ right + noise * torch.randn(rows, columns, generator=generator)
 
 
-def status_mib(field: str) -> float:
-    """A field of /proc/self/status (VmHWM, RssAnon, ...) in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
+def status_mib(field: str, pid: int | str = "self") -> float:
+    """A field of ``/proc/<pid>/status`` (VmRSS, VmHWM, RssAnon, ...) in MiB; NaN if absent."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):  # the process has ended
+        pass
     return float("nan")
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's VmHWM to its current RSS (Linux ``clear_refs``), where allowed."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+class PeakSampler:
+    """The peaks of ``/proc/<pid>/status`` fields, sampled on a thread (the one memory sampler).
+
+    The kernel keeps a peak only for the whole RSS (VmHWM), which also counts the pages of the
+    memory-mapped input checkpoints: those are file-backed and grow with the inputs read, so
+    private (anonymous) memory, ``RssAnon``, is what says whether a merge holds more as the
+    model deepens. ``pid`` may be a child process (a stock command run by the benchmark).
+    """
+
+    def __init__(self, *fields: str, pid: int | str = "self", interval: float = 0.01) -> None:
+        self.fields, self.pid, self.interval = fields or ("RssAnon",), pid, interval
+        self.peaks = {field: 0.0 for field in self.fields}
+        self._done = threading.Event()
+        self._sample_once()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample_once(self) -> None:
+        for field in self.fields:
+            value = status_mib(field, self.pid)
+            if value == value:  # not NaN
+                self.peaks[field] = max(self.peaks[field], value)
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.interval):
+            self._sample_once()
+
+    def stop(self) -> dict[str, float]:
+        """Stop sampling; the peak of every field in MiB."""
+        self._done.set()
+        self._thread.join()
+        self._sample_once()
+        return dict(self.peaks)
 
 
 def solved_shapes(base_dir: Path) -> list[tuple[str, int, int]]:

@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench.common import ensure_llama_family, move_body_low_rank, solved_shapes, status_mib  # noqa: E402
+from bench.common import PeakSampler, ensure_llama_family, move_body_low_rank, solved_shapes, status_mib  # noqa: E402
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mergekit-bmm" / "bench"
 
@@ -109,34 +108,14 @@ def child(spec: dict) -> dict:
     started = time.perf_counter()
     merge_recipe_text(yaml_text(spec["recipe"]), spec["out"], options)
     seconds = time.perf_counter() - started
-    result = {"seconds": seconds, "peak_rss_mib": status_mib("VmHWM"), "peak_private_mib": private.stop()}
+    result = {
+        "seconds": seconds,
+        "peak_rss_mib": status_mib("VmHWM"),
+        "peak_private_mib": private.stop()["RssAnon"],
+    }
     if device.startswith("cuda"):
         result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return result
-
-
-class PeakSampler:
-    """The peak of one /proc/self/status field, sampled every 10 ms on a thread.
-
-    The kernel keeps a peak only for the whole RSS (VmHWM), which also counts the pages of the
-    memory-mapped input checkpoints: those are file-backed and grow with the inputs read, so
-    private (anonymous) memory is what says whether a merge holds more as the model deepens.
-    """
-
-    def __init__(self, field: str) -> None:
-        self.field, self.peak, self._running = field, status_mib(field), True
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while self._running:
-            self.peak = max(self.peak, status_mib(self.field))
-            time.sleep(0.01)
-
-    def stop(self) -> float:
-        self._running = False
-        self._thread.join()
-        return max(self.peak, status_mib(self.field))
 
 
 def run_child(spec: dict) -> dict:

@@ -41,7 +41,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from mergekit.merge_methods.base import TensorGroup  # noqa: E402
 
-from bench.common import ensure_llama_family, gemm_floor, solved_shapes, status_mib  # noqa: E402
+from bench.common import (  # noqa: E402
+    PeakSampler,
+    ensure_llama_family,
+    gemm_floor,
+    reset_peak_rss,
+    solved_shapes,
+    status_mib,
+)
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mergekit-bmm" / "bench"
 
@@ -70,28 +77,16 @@ class Phase:
         self.name, self.times, self.peak_rss, self.peak_private = name, [], 0.0, 0.0
 
     def run(self, action) -> float:
-        import threading
 
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM
-        except OSError:
-            pass
-        done, private = threading.Event(), [0.0]
-
-        def sample() -> None:
-            while not done.wait(0.005):
-                private[0] = max(private[0], status_mib("RssAnon"))
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
+        reset_peak_rss()
+        sampler = PeakSampler("RssAnon", interval=0.005)
         start = time.perf_counter()
         action()
         elapsed = time.perf_counter() - start
-        done.set()
-        sampler.join()
+        private = sampler.stop()["RssAnon"]
         self.times.append(elapsed)
         self.peak_rss = max(self.peak_rss, status_mib("VmHWM"))
-        self.peak_private = max(self.peak_private, private[0], status_mib("RssAnon"))
+        self.peak_private = max(self.peak_private, private)
         return elapsed
 
     @property

@@ -21,13 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench package, run as a script
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+from bench.common import status_mib  # noqa: E402
 
 
 def _peak_mb() -> float:
@@ -49,7 +47,7 @@ def _job(kind: str, spec: dict, queue) -> None:
     from mergekit_bmm.stats.config import parse_stats_config
 
     hf_logging.disable_progress_bar()
-    baseline = _rss_mb()
+    baseline = status_mib("VmRSS")
     start = time.perf_counter()
     if kind == "stats":
         config = parse_stats_config(spec["config"])
