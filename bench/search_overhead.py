@@ -76,29 +76,20 @@ def _resume_costs(config, finished: Path) -> list[tuple[str, float]]:
 
 
 def _in_memory_merge(text: str, model):
-    """mergekit's planner + executor writing into an already loaded model (no files)."""
-    import yaml
-    from mergekit.architecture import get_architecture_info
-    from mergekit.config import MergeConfiguration
-    from mergekit.graph import Executor
-    from mergekit.io.tasks import LoaderCache
-    from mergekit.merge import _model_out_config
+    """The recipe merged into an already loaded model, through the package's in-memory merge
+    (mergekit's own plan and executor; no files)."""
     from mergekit.options import MergeOptions
-    from mergekit.plan import MergePlanner
 
-    options = MergeOptions(quiet=True)
-    LoaderCache().loaders.clear()
-    LoaderCache().setup(options)
-    config = MergeConfiguration.model_validate(yaml.safe_load(text))
-    arch = get_architecture_info(config, options)
-    planner = MergePlanner(config, arch, options, _model_out_config(config, arch))
-    planner._plan()  # plan_in_memory() itself is broken in mergekit 0.1.5
-    names = {task: weight.name for weight, task in planner._tensors}
+    from mergekit_bmm.recipes.run import merge_recipe_in_memory
+
     parameters = dict(model.named_parameters())
-    with torch.no_grad():
-        for task, value in Executor(list(names), math_device="cpu", storage_device="cpu").run(quiet=True):
-            if names[task] in parameters:
-                parameters[names[task]].copy_(value)
+
+    def into_model(name: str, tensor, out_dtype) -> None:
+        if name in parameters:
+            with torch.no_grad():
+                parameters[name].copy_(tensor)
+
+    merge_recipe_in_memory(text, MergeOptions(quiet=True), into_model)
 
 
 def _merge_routes(family, work: Path, repeats: int) -> list[tuple[str, float, float]]:

@@ -170,19 +170,10 @@ def child(spec: dict) -> dict:
     import torch
 
     from mergekit_bmm.search import SearchOptions, parse_search_config, run_search
-    from mergekit_bmm.search.loop import SearchRun
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
-    private_after: list[float] = []
-    original = SearchRun._run_batch
-
-    def run_batch(self, *args, **kwargs):
-        told = original(self, *args, **kwargs)
-        private_after.append(status_mib("RssAnon"))
-        return told
-
-    SearchRun._run_batch = run_batch
+    private_after: list[float] = []  # after each finished trial
     config = parse_search_config(spec["config"], REPO)
     options = SearchOptions(
         progress=False,
@@ -193,6 +184,7 @@ def child(spec: dict) -> dict:
         cache_dir=Path(spec["cache"]),
         workers=spec.get("workers", 1),
         backend=spec.get("backend", "local"),
+        on_trial=lambda record: private_after.append(status_mib("RssAnon")),
     )
     started = time.perf_counter()
     result = run_search(config, Path(spec["out"]), options, echo=lambda line: None)

@@ -128,7 +128,11 @@ def test_the_first_trial_starts_at_the_anchor(family, tmp_path):
     nearest["block0.scale"] = 1.0
     for strategy in ("bo", "random"):
         config = make_config(family, evaluator, strategy=strategy, budget=2, n_initial=2)
-        result = run_search(config, tmp_path / strategy, quiet(skip_best=True, plots=False))
+        told = []  # the Python hook: every finished trial, in order
+        result = run_search(
+            config, tmp_path / strategy, quiet(skip_best=True, plots=False, on_trial=told.append)
+        )
+        assert [record.trial for record in told] == [record.trial for record in result.records]
         assert result.records[0].values == nearest and result.records[1].values != nearest
 
     off = make_config(family, evaluator, budget=1, n_initial=1, anchor_start=False)

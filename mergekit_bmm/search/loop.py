@@ -72,6 +72,7 @@ class SearchOptions:
     address: str | None = None  # override `parallel.address` (ray)
     cache_dir: Path | None = None  # bmm's factor cache (default: OUT_PATH/cache); searches may share one
     max_memory: int | None = None  # bytes resident trials may keep factors in (default: half the free memory)
+    on_trial: Callable[[TrialRecord], None] | None = None  # called in this process after each finished trial
 
 
 @dataclass
@@ -290,6 +291,8 @@ class SearchRun:
             if not record.ok:
                 progress.write(f"trial {trial.index} failed: {record.error}")
             progress.advance(best, record, pool.status())
+            if self.options.on_trial is not None:
+                self.options.on_trial(record)
         ordered = [batch.done[batch.start + offset] for offset in range(size)]
         tick = time.perf_counter()
         self.proposer.tell_batch([(record.values, record.score if record.ok else None) for record in ordered])
