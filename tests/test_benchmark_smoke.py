@@ -307,6 +307,8 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
         row = cells[("task_arithmetic", setting)]
         assert row["budget"] == 2 and set(row["hyperparameters"]["best_values"])
         assert [seed["seed"] for seed in row["seeds"]] == [0, 1]
+        defaults = row["defaults"]  # BMM at its defaults: one merge, no trials, scored like the rest
+        assert 0 <= defaults["avg"] <= 1 and set(defaults["per_task"]) == {"mood", "topic"}
         for seed in row["seeds"]:  # the search's score of its best trial is the benchmark's of best/
             assert abs(seed["search_validation"] - seed["validation_avg"]) < 1e-3
         estimate, low, high = row["ci"]  # from the per-example scores: the same mean as the table's
@@ -319,6 +321,7 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
         assert cell["bmm_score"] == pytest.approx(cells[(anchor, mode)]["avg"], abs=1e-3)
         assert cell["delta_low"] <= cell["delta"] <= cell["delta_high"]
         assert cell["best_anchor"] in ("task_arithmetic", "tsv") and "delta_best_anchor" in cell
+        assert cell["defaults_delta_low"] <= cell["defaults_delta"] <= cell["defaults_delta_high"]
     assert results["verdict"]["data_free"]["anchors"] == 1
     for setting in ("data_free", "data_assisted"):  # how far BMM went from its anchor, per group
         moved = cells[("task_arithmetic", setting)]["moved"]

@@ -518,6 +518,7 @@ def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: s
         hyper = {"best_values": first["best_values"], "search_validation": first["best_validation"]}
         row = report.add_row(results, anchor, setting, scores, hyper, budget=first["trials"])
         row["seeds"] = seeds
+        row["defaults"] = _bmm_defaults(config, cache_dir, art, anchor, setting)
         if anchor != "pretrained" and Path(first["best_dir"]).is_dir():
             row["moved"] = cached_moved_from_anchor(
                 Path(first["best_dir"]), art.anchors[anchor], art.encoder, cache_dir
@@ -533,6 +534,26 @@ def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: s
             f"bmm       {anchor:16s} {setting:13s} K={first['trials']} x {len(seeds)} seeds, test "
             f"{100 * mean(spread):.1f} (seeds {', '.join(f'{100 * v:.1f}' for v in spread)})"
         )
+
+
+def _bmm_defaults(
+    config: RunConfig, cache_dir: Path, art: Artifacts, anchor: str, setting: str
+) -> dict[str, Any]:
+    """BMM at its defaults over ``anchor``: the search's recipe with no λ or s (one merge, no trials)."""
+    tasks = list(art.tasks.values())
+    experts = [art.experts[task.name] for task in tasks]
+    recipe = bmm_template(art.encoder, experts, _anchor_folder(anchor, art), setting, art.stats)
+    jobs = [(t, s) for t in tasks for s in ("validation", "test")]
+    work = cache_dir / "merges" / "work"
+    outcome = _merge_and_score(recipe, jobs, config, ScoreCache(cache_dir), cache_dir, work)
+    scores = outcome["scores"]
+    return {
+        "model_id": outcome["key"],
+        "avg": round(mean([scores[(t.name, "test")] for t in tasks]), 4),
+        "validation_avg": round(mean([scores[(t.name, "validation")] for t in tasks]), 4),
+        "per_task": {t.name: round(scores[(t.name, "test")], 4) for t in tasks},
+        "merge_seconds": outcome["merge_seconds"],
+    }
 
 
 def _ablation(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
@@ -705,7 +726,7 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
     anchor-to-experts gap closed; the run's range figures and per-cell summary
     (:mod:`bench.merging.evidence`)."""
     from bench.merging.evidence import best_anchor, range_figures, summary_row, verdict
-    from bench.merging.intervals import interval, seed_mean
+    from bench.merging.intervals import interval, paired_difference, seed_mean
     from bench.merging.scoring import correct_flags
 
     cache, tasks = ScoreCache(cache_dir), list(art.tasks.values())
@@ -749,8 +770,17 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
         if anchor not in anchors:
             continue
         cell = summary_row(anchor, setting, expected, anchors[anchor], anchors.get(best), indiv_flags)
-        summary.append({**cell, "best_anchor": best})
         row = report.find_row(results, anchor, setting)
+        if (row.get("defaults") or {}).get("model_id"):  # BMM at its defaults: one merge, no search
+            estimate, low, high = paired_difference(flags(row["defaults"]["model_id"]), anchors[anchor])
+            cell.update(
+                defaults_score=row["defaults"]["avg"],
+                defaults_delta=round(estimate, 4),
+                defaults_delta_low=round(low, 4),
+                defaults_delta_high=round(high, 4),
+                defaults_share=round(estimate / cell["delta"], 4) if cell["delta"] > 0 else None,
+            )
+        summary.append({**cell, "best_anchor": best})
         row["delta"] = [cell["delta"], cell["delta_low"], cell["delta_high"]]
         row["gap_closed"] = cell.get("gap_closed")
         if best is not None:

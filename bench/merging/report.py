@@ -290,7 +290,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
     best = results.get("best_anchor")
     best_label = ANCHOR_LABELS.get(best, best) if best else "–"
     versus = f"Δ vs best anchor ({best_label})"
-    header = ["anchor", "mode", "anchor", "BMM", "Δ [95% CI]", versus, "gap closed"]
+    header = ["anchor", "mode", "anchor", "BMM", "Δ [95% CI]", versus, "gap closed", "BMM at defaults (Δ)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in summary:
         versus_best = (
@@ -300,11 +300,17 @@ def summary_markdown(results: dict[str, Any]) -> str:
             else "–"
         )
         gap = "–" if cell.get("gap_closed") is None else f"{100 * cell['gap_closed']:.0f}%"
+        defaults = (
+            f"{100 * cell['defaults_score']:.1f} ({100 * cell['defaults_delta']:+.1f} "
+            f"[{100 * cell['defaults_delta_low']:.1f}, {100 * cell['defaults_delta_high']:.1f}])"
+            if "defaults_score" in cell
+            else "–"
+        )
         lines.append(
             f"| {ANCHOR_LABELS.get(cell['anchor'], cell['anchor'])} | {cell['mode']} | "
             f"{100 * cell['anchor_score']:.1f} | {100 * cell['bmm_score']:.1f} | "
             f"{100 * cell['delta']:+.1f} [{100 * cell['delta_low']:.1f}, {100 * cell['delta_high']:.1f}] | "
-            f"{versus_best} | {gap} |"
+            f"{versus_best} | {gap} | {defaults} |"
         )
     counts = results.get("verdict") or {}
     tally = "; ".join(
