@@ -78,7 +78,7 @@ def test_dependencies_point_down_the_pipeline():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mergekit_bmm.search.")
         }
         assert not search[name] & {"pools", "ray_pool"}, (name, search[name])
-    assert "workers" not in search["trials"]
+    assert not search["trials"] & {"workers", "resident"}  # resident trials build on trials, not back
 
 
 def test_the_search_reads_as_a_short_list_of_modules_each_saying_its_job():

@@ -21,6 +21,7 @@ from mergekit_bmm.evaluation import make_evaluator
 from mergekit_bmm.io.atomic import atomic_write_text
 from mergekit_bmm.recipes.parse import yaml_text
 from mergekit_bmm.search.anchor_score import anchors_at_pretrained, cached_anchor_score, score_anchor
+from mergekit_bmm.search.best import BestModel
 from mergekit_bmm.search.config import SearchConfig
 from mergekit_bmm.search.experiment import Experiment, RunFolder, prepare_experiment
 from mergekit_bmm.search.fidelity import Incumbent
@@ -38,7 +39,6 @@ from mergekit_bmm.search.strategies import (
 )
 from mergekit_bmm.search.summary import (
     AnchorScore,
-    BestModel,
     SearchSummary,
     best_record,
     build_summary,

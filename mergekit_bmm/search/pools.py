@@ -9,7 +9,6 @@ the search goes on.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import subprocess
 import sys
 import time
@@ -20,19 +19,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mergekit_bmm.search.experiment import Experiment
+from mergekit_bmm.search.resident import choose_runner
 from mergekit_bmm.search.trials import (
     PlannedTrial,
     TrialOutcome,
     TrialRunner,
     TrialTimeout,
     alarm,
-    choose_runner,
     time_left,
     timeout_error,
 )
-from mergekit_bmm.search.workers import WorkerReady, WorkerSpec
+from mergekit_bmm.search.workers import ATTEMPTS, WorkerReady, WorkerSpec, lost, worker_devices
 
-ATTEMPTS = 2  # a trial runs at most twice when its worker dies under it
 # Imported, not run as __main__, so what it sends unpickles under its own module name.
 WORKER_ENTRY = "from mergekit_bmm.search.workers import main; main()"
 
@@ -48,24 +46,6 @@ class TrialPool(Protocol):
     def close(self) -> None: ...
 
     def terminate(self) -> None: ...
-
-
-def lost(trial: PlannedTrial, why: str) -> TrialOutcome:
-    """The outcome of a trial whose worker died on every attempt."""
-    return TrialOutcome(error=f"worker: {why} (attempted {ATTEMPTS} times)")
-
-
-def worker_devices(device: str, count: int) -> list[tuple[str, int | None]]:
-    """(device, torch threads) per worker: one GPU each while there are GPUs, else the CPU split."""
-    import torch
-
-    if device == "cuda" and torch.cuda.is_available():
-        gpus = torch.cuda.device_count()
-        return [(f"cuda:{index % gpus}", None) for index in range(count)]
-    if device.startswith("cuda"):
-        return [(device, None)] * count
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return [(device, max(1, cores // count))] * count
 
 
 class SerialPool:

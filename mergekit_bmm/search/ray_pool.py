@@ -16,9 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.search.pools import ATTEMPTS, lost, worker_devices
 from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome, time_left, timeout_error
-from mergekit_bmm.search.workers import TrialWorker, WorkerReady, WorkerSpec
+from mergekit_bmm.search.workers import ATTEMPTS, TrialWorker, WorkerReady, WorkerSpec, lost, worker_devices
 
 
 class TrialActor:

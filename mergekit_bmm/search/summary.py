@@ -1,4 +1,4 @@
-"""``summary.json``, ``best.yml`` and ``best/``: the state of a search and its answer.
+"""``summary.json``: the state of a search in one typed document (the model card reads it).
 
 The search builds a :class:`SearchSummary` in memory after every trial, writes it (one
 atomic write), prints it at the end and hands the same object to the model card of
@@ -8,21 +8,16 @@ atomic write), prints it at the end and hands the same object to the model card 
 from __future__ import annotations
 
 import math
-import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field, computed_field
 
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.io.atomic import atomic_write_text
 from mergekit_bmm.io.versioned_json import read_versioned, write_versioned
-from mergekit_bmm.recipes import run as recipe_run
-from mergekit_bmm.search.experiment import RunFolder
 from mergekit_bmm.search.fidelity import fidelity_summary
 from mergekit_bmm.search.log import TrialRecord
-from mergekit_bmm.search.space import TrialRecipes, text_sha256
 
 FORMAT_NAME = "mergekit-bmm-search-summary"
 FORMAT_VERSION = 1
@@ -193,65 +188,3 @@ def read_summary(search_out: str | Path) -> SearchSummary:
         raise ConfigError(
             f"{search_out} has no summary.json; point at the OUT_PATH folder of mergekit-bmm-search"
         ) from None
-
-
-# -- The search's answer: ``best.yml`` (the best trial's recipe) and ``best/`` (that recipe merged).
-class BestModel:
-    """Writes ``best.yml`` and ``best/`` for the best trial so far."""
-
-    def __init__(self, folder: RunFolder, recipes: TrialRecipes, echo: Callable[[str], None]) -> None:
-        self.folder = folder
-        self.recipes = recipes
-        self.echo = echo
-
-    def trial_text(self, record: TrialRecord) -> str:
-        """A logged trial's recipe: its file, or rebuilt from its values if the file is gone."""
-        path = self.folder.root / record.yaml
-        if path.exists():
-            text = path.read_text(encoding="utf-8")
-            if text_sha256(text) == record.yaml_sha256:
-                return text
-        text = self.recipes.text(record.values)
-        if text_sha256(text) != record.yaml_sha256:
-            self.echo(
-                f"note: trial {record.trial}'s recipe was rebuilt from its values "
-                "and differs from the logged hash"
-            )
-        atomic_write_text(path, text)
-        return text
-
-    def write_recipe(self, best: TrialRecord, completed: int, final: bool = False) -> None:
-        so_far = "" if final else " so far"
-        header = (
-            f"# Best of {completed} trials{so_far}: trial {best.trial}, score {best.score:.6g}\n"
-            f"# (mergekit-bmm-search, {self.folder.root}).\n"
-            "# Rebuild the model: mergekit-yaml best.yml OUT_DIR\n"
-        )
-        atomic_write_text(self.folder.best_yml, header + self.best_text(best))
-
-    def best_text(self, best: TrialRecord) -> str:
-        """What ``best.yml`` holds and ``best/`` is merged from: the trial's portable recipe."""
-        self.trial_text(best)  # the trial's own file, restored if it went missing
-        return self.recipes.portable_text(best.values)
-
-    def is_current(self, best: TrialRecord | None) -> bool:
-        """Whether ``best/`` holds the merge of ``best``'s recipe (and not an older one)."""
-        marker = self.folder.best_dir / "mergekit_config.yml"
-        return (
-            best is not None
-            and marker.exists()
-            and marker.read_text(encoding="utf-8") == self.best_text(best)
-        )
-
-    def merge(self, best: TrialRecord, options: Any) -> None:
-        """Merge the best recipe into ``best/`` unless it is already there."""
-        if self.is_current(best):
-            return
-        self.echo(f"merging the best recipe (trial {best.trial}) into {self.folder.best_dir} ...")
-        staging = self.folder.work_dir / "best"
-        shutil.rmtree(staging, ignore_errors=True)
-        recipe_run.merge_recipe_text(
-            self.best_text(best), staging, recipe_run.merge_options(options, write_model_card=True)
-        )
-        shutil.rmtree(self.folder.best_dir, ignore_errors=True)
-        staging.rename(self.folder.best_dir)

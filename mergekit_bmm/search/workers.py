@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_bmm.errors import BMMError, find_bmm_error
-from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome, choose_runner
+from mergekit_bmm.search.resident import choose_runner
+from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome
 
 
 @dataclass(frozen=True)
@@ -144,3 +145,24 @@ def main() -> None:
     from multiprocessing.connection import Connection
 
     serve(Connection(int(sys.argv[1])))
+
+
+ATTEMPTS = 2  # a trial runs at most twice when its worker dies under it
+
+
+def lost(trial: PlannedTrial, why: str) -> TrialOutcome:
+    """The outcome of a trial whose worker died on every attempt."""
+    return TrialOutcome(error=f"worker: {why} (attempted {ATTEMPTS} times)")
+
+
+def worker_devices(device: str, count: int) -> list[tuple[str, int | None]]:
+    """(device, torch threads) per worker: one GPU each while there are GPUs, else the CPU split."""
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        return [(f"cuda:{index % gpus}", None) for index in range(count)]
+    if device.startswith("cuda"):
+        return [(device, None)] * count
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return [(device, max(1, cores // count))] * count
