@@ -26,6 +26,7 @@ from mergekit_bmm.examples.demo_tasks import (
     pooled,
     vocabulary,
 )
+from mergekit_bmm.examples.tiny_models import tiny_config
 
 
 @dataclass(frozen=True)
@@ -47,24 +48,6 @@ SMALL = DemoSize(hidden=32, pretrain_steps=10, finetune_steps=15, batch=16, vali
 HEAD_NORM = 3.0
 
 
-def _config(size: DemoSize):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=len(vocabulary()),
-        hidden_size=size.hidden,
-        intermediate_size=2 * size.hidden,
-        num_hidden_layers=size.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-
-
 def _batch(task: Task, count: int, rng: random.Random, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids (``<s>`` first) and labels of ``count`` fresh training sequences of ``task``."""
     rows = [[rng.randrange(10) for _ in range(LENGTH)] for _ in range(count)]
@@ -82,7 +65,7 @@ def pretrain(size: DemoSize, seed: int = 0):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(_config(size))
+    model = LlamaForCausalLM(tiny_config("llama", len(vocabulary()), size.hidden, size.layers))
     rng, offsets = random.Random(seed), _offsets()
     optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()

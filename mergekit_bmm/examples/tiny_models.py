@@ -57,7 +57,8 @@ def build_tokenizer(vocab_size: int = 320):
     )
 
 
-def _config(architecture: str, vocab_size: int, hidden: int, layers: int):
+def tiny_config(architecture: str, vocab_size: int, hidden: int, layers: int):
+    """A small transformers config of ``architecture`` (4 heads; Llama-likes: 2 KV heads, MLP 2·hidden)."""
     import transformers as tf
 
     heads = 4
@@ -113,7 +114,7 @@ def make_base(architecture: str = "llama", hidden: int = 64, layers: int = 4, se
     """A randomly initialised tiny model and its tokenizer (in memory)."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    config = _config(architecture, len(tokenizer), hidden, layers)
+    config = tiny_config(architecture, len(tokenizer), hidden, layers)
     model = _model_class(architecture)(config).eval()
     return model, tokenizer
 
