@@ -127,6 +127,7 @@ def run_demo(root: Path, size: DemoSize = FULL, say: Callable[[str], None] = pri
     result.seconds["models"] = time.perf_counter() - started
 
     mark = time.perf_counter()
+    say(f"      tuning Task Arithmetic's weight and TIES's density on validation in {root}/tuning ...")
     weight = _tune(models, root, "task_arithmetic", "weight", TA_WEIGHTS)
     density = _tune(models, root, "ties", "density", TIES_DENSITIES, weight=1.0)
     plan = {
