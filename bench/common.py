@@ -85,15 +85,25 @@ def move_body_low_rank(model, strength: float, seed: int, rank: int = 8, noise: 
                 parameter += left @ right + noise * torch.randn(rows, columns, generator=generator)
 
 
-def status_mib(field: str, pid: int | str = "self") -> float:
-    """A field of ``/proc/<pid>/status`` (VmRSS, VmHWM, RssAnon, ...) in MiB; NaN if absent."""
+def status_fields(pid: int | str = "self") -> dict[str, float]:
+    """Every ``kB`` field of ``/proc/<pid>/status`` (VmRSS, VmHWM, RssAnon, ...) in MiB, read once;
+    empty when the process has ended."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):  # the process has ended
-        pass
-    return float("nan")
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB":
+            fields[key] = int(parts[0]) / 1024
+    return fields
+
+
+def status_mib(field: str, pid: int | str = "self") -> float:
+    """One field of ``/proc/<pid>/status`` in MiB; NaN if absent."""
+    return status_fields(pid).get(field, float("nan"))
 
 
 def reset_peak_rss() -> None:
@@ -122,10 +132,10 @@ class PeakSampler:
         self._thread.start()
 
     def _sample_once(self) -> None:
+        found = status_fields(self.pid)  # one read of the status file per sample, whatever the fields
         for field in self.fields:
-            value = status_mib(field, self.pid)
-            if value == value:  # not NaN
-                self.peaks[field] = max(self.peaks[field], value)
+            if field in found:
+                self.peaks[field] = max(self.peaks[field], found[field])
 
     def _sample(self) -> None:
         while not self._done.wait(self.interval):
