@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench package, run as a script
 
 import torch  # noqa: E402
 

@@ -44,7 +44,6 @@ import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 BIN = Path(sys.executable).parent
 FULL = "full"
 

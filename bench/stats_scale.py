@@ -31,7 +31,6 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Llama 3.x)
     "8b": (4096, 14336, 32, 32, 8),
 }
 BIN = Path(sys.executable).parent
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench package, run as a script
 
 
 def generate(folder: Path, shape: str, layers: int, experts: int) -> dict:

@@ -16,10 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench package, run as a script
 
 from mergekit_bmm.core.module_map import GROUP_NAMES, classify  # noqa: E402
 from mergekit_bmm.io.checkpoint import iter_tensors, load_state_dict  # noqa: E402

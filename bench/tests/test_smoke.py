@@ -168,10 +168,9 @@ def test_pipeline_builds_heads_experts_scores_and_resumes(tiny_run):
 
 def test_experts_are_deterministic(tiny_run, tmp_path):
     """A second cache gets bit-identical expert weights (seeded order, dropout, threads)."""
-    from conftest import load_weights
-
     from bench.merging.config import load_config
     from bench.merging.pipeline import run_benchmark
+    from mergekit_bmm.io.checkpoint import load_state_dict as load_weights
 
     root, config_path = tiny_run
     config = load_config(config_path)
@@ -189,11 +188,10 @@ def test_interrupted_expert_resumes_to_identical_weights(tiny_run, tmp_path, mon
     """Stop fine-tuning after 3 of 6 steps (checkpoint every 2), resume: same weights as uninterrupted."""
     import shutil
 
-    from conftest import load_weights
-
     import bench.merging.finetune as finetune
     from bench.merging.config import load_config
     from bench.merging.pipeline import run_benchmark
+    from mergekit_bmm.io.checkpoint import load_state_dict as load_weights
 
     root, config_path = tiny_run
     config = load_config(config_path)

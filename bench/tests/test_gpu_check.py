@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def test_gpu_check_runs_on_the_cpu_with_small_shapes(tmp_path):
