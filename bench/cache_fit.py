@@ -125,7 +125,7 @@ def recipe(paths: dict, mode: str, stats: Path | None, dtype: str = "bfloat16", 
 
 
 def merge(text: str, out: Path) -> float:
-    from mergekit_bmm.recipes.run import merge_options, merge_recipe_text
+    from mergekit_bmm.plugin.run import merge_options, merge_recipe_text
 
     shutil.rmtree(out, ignore_errors=True)
     options = merge_options(None, quiet=True, write_model_card=False, copy_tokenizer=False)

@@ -89,8 +89,8 @@ def recipe(family: dict, method: str, anchor: str | None = None, **parameters) -
 
 # -- one merge per process ----------------------------------------------------------------
 def child(spec: dict) -> dict:
+    from mergekit_bmm.plugin.run import merge_options, merge_recipe_text
     from mergekit_bmm.recipes.parse import yaml_text
-    from mergekit_bmm.recipes.run import merge_options, merge_recipe_text
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
@@ -183,9 +183,9 @@ def closed_form_floor(shapes, tasks: int, device: str = "cpu", fill: bool = Fals
 
 
 def _closed_form(vectors: list[torch.Tensor], anchor: torch.Tensor) -> torch.Tensor:
-    from mergekit_bmm.core import closed_form
+    from mergekit_bmm.core import closed_form, normal_equations
 
-    return closed_form.merge_matrix(closed_form.data_free_equations(vectors), anchor, 0.1)
+    return closed_form.merge_matrix(normal_equations.data_free_equations(vectors), anchor, 0.1)
 
 
 # -- the report ---------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def _in_memory_merge(text: str, model):
     (mergekit's own plan and executor; no files)."""
     from mergekit.options import MergeOptions
 
-    from mergekit_bmm.recipes.run import merge_recipe_in_memory
+    from mergekit_bmm.plugin.run import merge_recipe_in_memory
 
     parameters = dict(model.named_parameters())
 
@@ -96,7 +96,7 @@ def _merge_routes(family, work: Path, repeats: int) -> list[tuple[str, float, fl
     from transformers import AutoModelForCausalLM
 
     from mergekit_bmm.io.model_folder import weight_names_of
-    from mergekit_bmm.recipes.run import merge_recipe_text as merge_text
+    from mergekit_bmm.plugin.run import merge_recipe_text as merge_text
     from mergekit_bmm.search import parse_search_config
     from mergekit_bmm.search.space import SearchSpace, TrialRecipes
 

@@ -101,7 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
-    from mergekit_bmm.core import closed_form
+    from mergekit_bmm.core import closed_form, normal_equations
     from mergekit_bmm.core.module_map import classify
     from mergekit_bmm.io.checkpoint import load_state_dict
     from mergekit_bmm.stats.collect import collect_statistics
@@ -132,11 +132,11 @@ def main() -> None:
             continue
         vectors = [w[name].double() - w_pre.double() for w in weights]
         anchor = 0.5 * sum(vectors)
-        reference = closed_form.activation_equations(vectors, [g[key] for g in grams], torch.float64)
+        reference = normal_equations.activation_equations(vectors, [g[key] for g in grams], torch.float64)
         for form in forms:
             encoded = [encode(g[key], form) for g in grams]
             sizes[form] = encoded[0][1]
-            stored = closed_form.activation_equations(vectors, [e[0] for e in encoded], torch.float64)
+            stored = normal_equations.activation_equations(vectors, [e[0] for e in encoded], torch.float64)
             for lam in LAMBDAS:
                 exact = w_pre.double() + closed_form.merge_matrix(reference, anchor, lam)
                 got = w_pre.double() + closed_form.merge_matrix(stored, anchor, lam)

@@ -77,7 +77,7 @@ def reference_solve(
 @pytest.fixture(autouse=True)
 def fresh_eigendecompositions():
     """Each test starts without the eigendecompositions an earlier one left in this process."""
-    from mergekit_bmm.factor_cache import fill as factor_fill
+    from mergekit_bmm.merge_methods.factor_cache import fill as factor_fill
 
     factor_fill._RECENT.clear()
     yield

@@ -9,6 +9,7 @@ import torch
 from conftest import reference_solve, relative_error
 
 from mergekit_bmm.core import closed_form as cf
+from mergekit_bmm.core import normal_equations as ne
 from mergekit_bmm.errors import ConfigError, TensorInputError
 
 SHAPES = [(12, 8), (8, 12), (24, 16), (16, 33)]
@@ -36,11 +37,11 @@ def test_data_free_matches_float64_reference(shape, tasks):
     vectors, anchor = random_tasks(shape, tasks, seed=tasks * 100 + shape[0])
     for lam in LAMBDAS:
         expected = reference_solve(vectors, anchor, lam)
-        equations = cf.data_free_equations(vectors, torch.float64)
+        equations = ne.data_free_equations(vectors, torch.float64)
         got64 = cf.merge_matrix(equations, anchor, lam)
         assert relative_error(got64, expected) < 1e-9, (lam, shape, tasks)
 
-        equations32 = cf.data_free_equations([v.float() for v in vectors], torch.float32)
+        equations32 = ne.data_free_equations([v.float() for v in vectors], torch.float32)
         got32 = cf.merge_matrix(equations32, anchor.float(), lam)
         assert got32.dtype == torch.float32
         # float32 forward error is bounded by the condition number of G + λ'I.
@@ -62,13 +63,13 @@ def test_activation_equations_match_reference(shape):
         grams.append(activations @ activations.T / 40)
     for lam in LAMBDAS:
         expected = reference_solve(vectors, anchor, lam, grams=grams)
-        got = cf.merge_matrix(cf.activation_equations(vectors, grams, torch.float64), anchor, lam)
+        got = cf.merge_matrix(ne.activation_equations(vectors, grams, torch.float64), anchor, lam)
         assert relative_error(got, expected) < 1e-9
 
 
 def test_large_lambda_returns_the_anchor():
     vectors, anchor = random_tasks((10, 6), 4, seed=3)
-    got = cf.merge_matrix(cf.data_free_equations(vectors, torch.float64), anchor, 1e12)
+    got = cf.merge_matrix(ne.data_free_equations(vectors, torch.float64), anchor, 1e12)
     assert relative_error(got, anchor) < 1e-9
 
 
@@ -76,14 +77,14 @@ def test_one_task_small_lambda_reproduces_the_task():
     (vector,), _ = random_tasks((10, 6), 1, seed=4)
     anchor = 0.3 * vector  # a task-arithmetic anchor of one task
     for lam in (0.0, 1e-12):
-        got = cf.merge_matrix(cf.data_free_equations([vector], torch.float64), anchor, lam)
+        got = cf.merge_matrix(ne.data_free_equations([vector], torch.float64), anchor, lam)
         assert relative_error(got, vector) < 1e-8
 
 
 def test_lambda_zero_on_a_singular_gram_is_the_limit_not_nan():
     # rank-2 task vectors with 16 inputs: G has a 14-dimensional null space
     vectors, anchor = random_tasks((6, 16), 1, seed=5, rank=2)
-    equations = cf.data_free_equations(vectors, torch.float64)
+    equations = ne.data_free_equations(vectors, torch.float64)
     at_zero = cf.merge_matrix(equations, anchor, 0.0)
     assert torch.isfinite(at_zero).all()
     # the λ → 0⁺ limit: C G⁺ + U0 (I - G G⁺)
@@ -99,20 +100,20 @@ def test_lambda_zero_on_a_singular_gram_is_the_limit_not_nan():
     assert relative_error(at_zero @ null, anchor @ null) < 1e-9
     assert relative_error(at_zero @ projector, vector) < 1e-9
     for dtype in (torch.float32, torch.float64):
-        equations = cf.data_free_equations([v.to(dtype) for v in vectors], dtype)
+        equations = ne.data_free_equations([v.to(dtype) for v in vectors], dtype)
         assert torch.isfinite(cf.merge_matrix(equations, anchor.to(dtype), 0.0)).all()
 
 
 def test_all_zero_task_vectors_give_the_anchor():
     anchor = torch.randn(5, 4, dtype=torch.float64)
-    equations = cf.data_free_equations([torch.zeros(5, 4, dtype=torch.float64)] * 2, torch.float64)
+    equations = ne.data_free_equations([torch.zeros(5, 4, dtype=torch.float64)] * 2, torch.float64)
     for lam in (0.0, 0.1):
         assert relative_error(cf.merge_matrix(equations, anchor, lam), anchor) < 1e-12
 
 
 def test_eigen_factors_agree_with_the_direct_solve():
     vectors, anchor = random_tasks((20, 12), 3, seed=9)
-    equations = cf.data_free_equations(vectors, torch.float64)
+    equations = ne.data_free_equations(vectors, torch.float64)
     factors = cf.eigen_factors(equations, anchor)
     for lam in LAMBDAS:
         ridge = cf.effective_ridge(lam, equations)
@@ -123,46 +124,46 @@ def test_eigen_factors_agree_with_the_direct_solve():
 
 def test_absolute_lambda_is_the_paper_literal_ridge():
     vectors, anchor = random_tasks((9, 7), 2, seed=11)
-    equations = cf.data_free_equations(vectors, torch.float64)
+    equations = ne.data_free_equations(vectors, torch.float64)
     got = cf.merge_matrix(equations, anchor, 0.37, lambda_mode="absolute")
     assert relative_error(got, reference_solve(vectors, anchor, 0.37, relative=False)) < 1e-10
 
 
 def test_relative_lambda_is_invariant_to_weight_scale():
     vectors, anchor = random_tasks((9, 7), 3, seed=12)
-    first = cf.merge_matrix(cf.data_free_equations(vectors, torch.float64), anchor, 0.05)
+    first = cf.merge_matrix(ne.data_free_equations(vectors, torch.float64), anchor, 0.05)
     scaled = [10.0 * v for v in vectors]
-    second = cf.merge_matrix(cf.data_free_equations(scaled, torch.float64), 10.0 * anchor, 0.05)
+    second = cf.merge_matrix(ne.data_free_equations(scaled, torch.float64), 10.0 * anchor, 0.05)
     assert relative_error(second, 10.0 * first) < 1e-10
 
 
 def test_mix_interpolates_normalised_estimates():
     vectors, anchor = random_tasks((8, 6), 2, seed=13)
     grams = [1e3 * torch.eye(6, dtype=torch.float64) for _ in vectors]
-    few = cf.activation_equations(vectors, grams, torch.float64)
-    free = cf.data_free_equations(vectors, torch.float64)
+    few = ne.activation_equations(vectors, grams, torch.float64)
+    free = ne.data_free_equations(vectors, torch.float64)
     for epsilon, expected in ((0.0, free), (1.0, few)):
-        mixed = cf.mix_equations(few, free, epsilon)
+        mixed = ne.mix_equations(few, free, epsilon)
         direct = cf.merge_matrix(expected, anchor, 0.1)
         assert relative_error(cf.merge_matrix(mixed, anchor, 0.1), direct) < 1e-10
-    half = cf.mix_equations(few, free, 0.5)
+    half = ne.mix_equations(few, free, 0.5)
     assert math.isclose(half.mean_eigenvalue, 1.0, rel_tol=1e-12)
     with pytest.raises(ConfigError):
-        cf.mix_equations(few, free, 1.5)
+        ne.mix_equations(few, free, 1.5)
 
 
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(TensorInputError, match="shape"):
-        cf.data_free_equations([torch.zeros(3, 4), torch.zeros(4, 3)])
+        ne.data_free_equations([torch.zeros(3, 4), torch.zeros(4, 3)])
     with pytest.raises(TensorInputError, match="2D"):
-        cf.data_free_equations([torch.zeros(3)])
-    equations = cf.data_free_equations([torch.randn(3, 4)])
+        ne.data_free_equations([torch.zeros(3)])
+    equations = ne.data_free_equations([torch.randn(3, 4)])
     with pytest.raises(ConfigError, match="lambda"):
         cf.merge_matrix(equations, torch.zeros(3, 4), -1.0)
     with pytest.raises(TensorInputError, match="anchor"):
         cf.merge_matrix(equations, torch.zeros(4, 3), 0.1)
     with pytest.raises(TensorInputError, match="Gram"):
-        cf.activation_equations([torch.randn(3, 4)], [torch.eye(3)])
+        ne.activation_equations([torch.randn(3, 4)], [torch.eye(3)])
 
 
 def test_a_tiny_positive_ridge_on_an_anisotropic_gram_is_named_not_called_lambda_zero(caplog, monkeypatch):
@@ -173,7 +174,7 @@ def test_a_tiny_positive_ridge_on_an_anisotropic_gram_is_named_not_called_lambda
     x = torch.randn(8, 64, generator=generator) * torch.logspace(
         0, -6, 64
     )  # rank 8, eigenvalues span 12 decades
-    equations = cf.NormalEquations(x.T @ x, torch.randn(4, 8, generator=generator) @ x)
+    equations = ne.NormalEquations(x.T @ x, torch.randn(4, 8, generator=generator) @ x)
     anchor = torch.randn(4, 64, generator=generator)
     factors = cf.eigen_factors(equations, anchor, torch.float32)  # a float32 solve, as in a trial
     with caplog.at_level("WARNING", logger="mergekit_bmm"):

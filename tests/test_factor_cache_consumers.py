@@ -9,7 +9,7 @@ import torch
 import yaml
 from conftest import load_weights, relative_error
 
-from mergekit_bmm.factor_cache.store import FactorCache
+from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
 from mergekit_bmm.sampling.run import SamplingRequest, sample_models
 
 pytestmark = pytest.mark.slow
@@ -152,7 +152,7 @@ def test_a_search_fills_the_cache_in_its_first_trial_and_reads_it_after(family, 
     out = tmp_path / "out"
     seen: list[tuple[int, int]] = []
 
-    from mergekit_bmm.recipes import run as recipe_run
+    from mergekit_bmm.plugin import run as recipe_run
 
     real_merge = recipe_run.merge_recipe_text
 

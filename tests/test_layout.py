@@ -16,10 +16,10 @@ def test_math_imports_and_runs_where_mergekit_cannot_be_imported():
 import sys
 sys.modules["mergekit"] = None  # any `import mergekit...` now raises ImportError
 import torch
-from mergekit_bmm.core import closed_form, module_map
+from mergekit_bmm.core import closed_form, module_map, normal_equations
 from mergekit_bmm.core import ace, iso, regmean, tsv, wudi
 vectors = [torch.randn(6, 5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-merged = closed_form.merge_matrix(closed_form.data_free_equations(vectors), torch.zeros(6, 5), 0.1)
+merged = closed_form.merge_matrix(normal_equations.data_free_equations(vectors), torch.zeros(6, 5), 0.1)
 print(tuple(merged.shape), module_map.classify("model.layers.0.mlp.down_proj.weight").group.value,
       tuple(tsv.tsv_merge(vectors).shape), sorted(m for m in sys.modules if m.startswith("mergekit.")))
 """

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import reference_solve, relative_error
 
-from mergekit_bmm.core import closed_form
+from mergekit_bmm.core import closed_form, normal_equations
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.sampling.posterior import RowPosterior, check_beta, check_sigma, standard_normal
 
@@ -21,7 +21,7 @@ def small_problem(out_features=6, in_features=5, tasks=3, lam=0.2, seed=0):
         torch.randn(out_features, in_features, generator=generator, dtype=torch.float64) for _ in range(tasks)
     ]
     anchor = sum(vectors) / tasks
-    equations = closed_form.data_free_equations(vectors, torch.float64)
+    equations = normal_equations.data_free_equations(vectors, torch.float64)
     ridge = closed_form.effective_ridge(lam, equations)
     u_map = closed_form.solve(equations, anchor, ridge)
     return vectors, anchor, equations, ridge, u_map
@@ -56,7 +56,7 @@ def test_a_thin_basis_is_completed_for_the_posterior():
     all of ``d_in``: the complement is added with eigenvalue 0 (precision λ' there)."""
     generator = torch.Generator().manual_seed(5)
     vectors = [torch.randn(2, 7, generator=generator, dtype=torch.float64) for _ in range(3)]  # rank 6 of 7
-    equations = closed_form.data_free_equations(vectors, torch.float64)
+    equations = normal_equations.data_free_equations(vectors, torch.float64)
     thin = closed_form.eigen_factors(equations, torch.zeros(2, 7, dtype=torch.float64), rank=6)
     eigenvalues, basis = thin.complete_eigen(torch.float64)
     assert (
@@ -115,7 +115,7 @@ def test_precision_grows_with_beta():
 def test_improper_posterior_is_refused():
     """λ' = 0 on a singular Gram (one 2×5 task vector: rank 2 of 5) has no proper posterior."""
     vector = torch.randn(2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    equations = closed_form.data_free_equations([vector], torch.float64)
+    equations = normal_equations.data_free_equations([vector], torch.float64)
     with pytest.raises(ConfigError, match="improper") as caught:
         RowPosterior.from_gram(equations.gram, 0.0, 1.0, name="layers.0.mlp.down_proj.weight")
     assert "rank 2 of 5" in str(caught.value) and "\n" not in str(caught.value)

@@ -12,7 +12,7 @@ from conftest import load_weights
 
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.evaluation.base import ModelLoading
-from mergekit_bmm.recipes.run import merge_options, merge_recipe_text
+from mergekit_bmm.plugin.run import merge_options, merge_recipe_text
 from mergekit_bmm.search import SearchOptions, parse_search_config, run_search
 from mergekit_bmm.search.experiment import prepare_experiment
 from mergekit_bmm.search.resident import ParameterLookup, ResidentModel

@@ -81,7 +81,7 @@ def python_evaluator(function: str, folder: bool = False, **args) -> dict:
 def target(family, tmp_path_factory):
     """The merge at the known optimum TARGET (1 block), made exactly as a trial is."""
     from mergekit_bmm.io.model_folder import weight_names_of
-    from mergekit_bmm.recipes.run import merge_recipe_text as merge_text
+    from mergekit_bmm.plugin.run import merge_recipe_text as merge_text
     from mergekit_bmm.search.space import SearchSpace, TrialRecipes
 
     config = make_config(family, python_evaluator("per_task_scores"))
@@ -367,8 +367,8 @@ def test_grid_tries_one_shared_lambda_log_spaced(family, tmp_path):
 def test_eval_anchor_outputs_and_summary_contract(family, tmp_path):
     from search_objectives import per_task_scores
 
+    from mergekit_bmm.plugin.run import merge_recipe_text as merge_text
     from mergekit_bmm.recipes.parse import yaml_text
-    from mergekit_bmm.recipes.run import merge_recipe_text as merge_text
 
     config = make_config(family, python_evaluator("per_task_scores"), strategy="random", budget=2, blocks=2)
     result = run_search(config, tmp_path / "out", quiet(eval_anchor=True))

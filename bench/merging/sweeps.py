@@ -51,7 +51,7 @@ def sweep_setting(
 
     from mergekit_bmm.evaluation import make_evaluator
     from mergekit_bmm.evaluation.config import weighted_mean
-    from mergekit_bmm.recipes.run import merge_options
+    from mergekit_bmm.plugin.run import merge_options
     from mergekit_bmm.search.config import parse_search_config
     from mergekit_bmm.search.experiment import prepare_experiment
     from mergekit_bmm.search.resident import ResidentModel

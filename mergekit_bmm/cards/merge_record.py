@@ -16,7 +16,7 @@ import hashlib
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
@@ -26,6 +26,9 @@ from mergekit_bmm.io.versioned_json import read_versioned, write_versioned
 
 RECORD_FILE = "mergekit_bmm_merge.json"
 RECIPE_FILE = "mergekit_config.yml"  # mergekit writes the recipe under this name
+if TYPE_CHECKING:  # publishing reads records without loading mergekit
+    from mergekit_bmm.cards.recipe_view import RecipeView
+
 FORMAT_NAME = "mergekit-bmm-merge-record"
 FORMAT_VERSION = 1
 
@@ -129,3 +132,26 @@ def read_record(folder: str | Path) -> MergeRecord | None:
         )
     except FileNotFoundError:
         return None
+
+
+def input_records(view: RecipeView) -> list[InputRecord]:
+    """Each input of the recipe with its weights' fingerprint as they are now."""
+    return [
+        InputRecord(
+            model=model.reference,
+            role=model.role,
+            fingerprint=model_fingerprint(model.local_path) if model.local_path else "",
+        )
+        for model in view.inputs
+    ]
+
+
+def record_merge(out_dir: str | Path, recipe_text: str, view: RecipeView | None = None) -> MergeRecord:
+    """Fingerprint the just-written weights and recipe into ``out_dir/mergekit_bmm_merge.json``."""
+    from mergekit_bmm.cards.recipe_view import view_of
+
+    out_dir = Path(out_dir)
+    view = view or view_of(recipe_text, out_dir)
+    record = make_record(out_dir, recipe_text, view.merge_method, input_records(view))
+    write_record(out_dir, record)
+    return record

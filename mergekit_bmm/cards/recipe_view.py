@@ -23,6 +23,7 @@ from mergekit.config import ConfigReader, MergeConfiguration, OutputSliceDefinit
 from mergekit.parameter_resolver import resolve_parameter
 
 from mergekit_bmm.core.module_map import GROUP_NAMES, classify, layer_index
+from mergekit_bmm.errors import BMMError
 from mergekit_bmm.io.hub_ids import looks_like_repo_id
 from mergekit_bmm.recipes.parse import parse_recipe
 
@@ -306,3 +307,37 @@ def describe_recipe(
         if {"lambda", "scale"} <= names:
             view.blocks = block_table(config, weight_names, spec_parameters)
     return view
+
+
+def method_spec(name: str):
+    """The registered method's spec, or None (the card must not fail on it)."""
+    try:
+        from mergekit import merge_methods
+
+        return merge_methods.get(name).spec
+    except Exception:
+        return None
+
+
+def weight_names_for(out_dir: Path | None, view_base: str | None) -> list[str] | None:
+    """Tensor names of the merged folder, else of the base (headers only)."""
+    from mergekit_bmm.io.model_folder import weight_names_of
+
+    for candidate in (out_dir, view_base):
+        if candidate is None:
+            continue
+        try:
+            return weight_names_of(str(candidate))
+        except BMMError:
+            continue
+    return None
+
+
+def view_of(recipe_text: str, out_dir: Path | None = None) -> RecipeView:
+    """Parse the recipe; resolve λ/s against the merged (or base) weights' names."""
+    config = parse_recipe(recipe_text).config
+    spec = method_spec(config.merge_method)
+    parameters = list(spec.parameters) if spec is not None else None
+    base = config.base_model.model.path if config.base_model is not None else None
+    names = weight_names_for(out_dir, base) if parameters else None
+    return describe_recipe(recipe_text, names, parameters)

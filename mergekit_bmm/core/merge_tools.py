@@ -92,6 +92,7 @@ def solve_normal(gram: torch.Tensor, cross: torch.Tensor, fallback: torch.Tensor
     in the directions ``gram`` sees, and ``fallback`` in the directions it does not.
     """
     from mergekit_bmm.core import closed_form
+    from mergekit_bmm.core.normal_equations import NormalEquations
 
     d_in = gram.shape[-1]
     scale = float(torch.diagonal(gram).max()) if gram.numel() else 0.0
@@ -100,5 +101,5 @@ def solve_normal(gram: torch.Tensor, cross: torch.Tensor, fallback: torch.Tensor
         factor, info = torch.linalg.cholesky_ex(gram)
         if int(info) == 0 and float(torch.diagonal(factor).square().min()) > tolerance:
             return torch.cholesky_solve(cross.T, factor).T
-    equations = closed_form.NormalEquations(gram, cross)
+    equations = NormalEquations(gram, cross)
     return closed_form.solve(equations, fallback, 0.0)

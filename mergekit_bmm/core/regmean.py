@@ -50,7 +50,7 @@ def regmean_merge(
     vectors = as_matrices(task_vectors, "regmean")
     if len(grams) != len(vectors):
         raise TensorInputError(f"regmean got {len(grams)} Grams for {len(vectors)} task vectors")
-    from mergekit_bmm.core.closed_form import activation_equations
+    from mergekit_bmm.core.normal_equations import activation_equations
 
     dtype, device = vectors[0].dtype, vectors[0].device
     in_features = vectors[0].shape[1]

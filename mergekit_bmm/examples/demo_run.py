@@ -89,7 +89,7 @@ def _tune(
     models: DemoModels, root: Path, method: str, key: str, values: tuple[float, ...], **fixed: float
 ) -> float:
     """The value of ``key`` whose merge scores best on validation (merged in this process)."""
-    from mergekit_bmm.recipes.run import merge_recipe_text
+    from mergekit_bmm.plugin.run import merge_recipe_text
 
     best, best_score = values[0], -1.0
     for value in values:

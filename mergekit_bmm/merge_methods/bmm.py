@@ -7,8 +7,9 @@ anchor's result unchanged. Inputs arrive one tensor at a time through mergekit's
 loader, so memory stays at one module's tensors (T experts + base + anchor).
 
 With ``cache: DIR`` the λ-independent eigen factors of each solved tensor are stored
-once (:mod:`mergekit_bmm.factor_cache.store`, built by :mod:`~mergekit_bmm.factor_cache.fill`,
-keyed by :mod:`~mergekit_bmm.factor_cache.key`) and every later merge with any λ and s is a
+once (:mod:`~mergekit_bmm.merge_methods.factor_cache.store`, built by
+:mod:`~mergekit_bmm.merge_methods.factor_cache.fill`, keyed by
+:mod:`~mergekit_bmm.merge_methods.factor_cache.key`) and every later merge with any λ and s is a
 single product per tensor.
 """
 
@@ -31,16 +32,16 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
-from mergekit_bmm.core import closed_form
+from mergekit_bmm.core import closed_form, normal_equations
 from mergekit_bmm.core.module_map import classify, layer_index
 from mergekit_bmm.errors import NonFiniteOutputError, TensorInputError
-from mergekit_bmm.factor_cache import key as cache_key
-from mergekit_bmm.factor_cache.fill import fill_factors, thin_rank
-from mergekit_bmm.factor_cache.store import FactorCache
 from mergekit_bmm.io.model_folder import model_type_of
 from mergekit_bmm.merge_methods import observer as solved_tensors
 from mergekit_bmm.merge_methods.bmm_anchor import AnchorSource, resolve_anchor_method
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings, build_spec
+from mergekit_bmm.merge_methods.factor_cache import key as cache_key
+from mergekit_bmm.merge_methods.factor_cache.fill import fill_factors, thin_rank
+from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
 
 LOG = logging.getLogger("mergekit_bmm")
@@ -191,11 +192,11 @@ class BMMMerge(GroupMergeMethod):
         group: TensorGroup,
         tasks: Sequence[TensorEntry],
         task_vectors: Sequence[torch.Tensor],
-    ) -> closed_form.NormalEquations:
+    ) -> normal_equations.NormalEquations:
         """G and C for the configured Gram mode."""
         data_free = None
         if settings.gram in ("data_free", "mix"):
-            data_free = closed_form.data_free_equations(
+            data_free = normal_equations.data_free_equations(
                 task_vectors, settings.compute_dtype, settings.task_balance
             )
             if settings.gram == "data_free":
@@ -205,12 +206,12 @@ class BMMMerge(GroupMergeMethod):
         d_in = task_vectors[0].shape[1]
         grams = activation_grams_for(settings.stats, group.metadata.name, [e.id for e in tasks], d_in=d_in)
         grams = [g.to(device=task_vectors[0].device) for g in grams]
-        few = closed_form.activation_equations(
+        few = normal_equations.activation_equations(
             task_vectors, grams, settings.compute_dtype, settings.task_balance
         )
         if settings.gram == "activations":
             return few
-        return closed_form.mix_equations(few, data_free, settings.epsilon)
+        return normal_equations.mix_equations(few, data_free, settings.epsilon)
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,7 @@ class _Solve:
     source: AnchorSource
     settings: BMMSettings
     transpose: bool
-    equations_for: Callable[..., closed_form.NormalEquations]
+    equations_for: Callable[..., normal_equations.NormalEquations]
 
     def orient(self, matrix: torch.Tensor) -> torch.Tensor:
         return matrix.T if self.transpose else matrix
@@ -237,7 +238,7 @@ class _Solve:
     def base(self) -> torch.Tensor:
         return self.group.base.tensor
 
-    def _problem(self) -> tuple[closed_form.NormalEquations, torch.Tensor, torch.Tensor]:
+    def _problem(self) -> tuple[normal_equations.NormalEquations, torch.Tensor, torch.Tensor]:
         """``G``, ``C`` and the prior ``U0`` from the inputs (checked for NaN/Inf), and ``W_pre``."""
         check_finite(self.group)
         dtype = self.settings.compute_dtype

@@ -19,7 +19,7 @@ from mergekit_bmm.errors import error_summary, find_bmm_error
 from mergekit_bmm.evaluation import weighted_mean
 from mergekit_bmm.io.atomic import atomic_write_json, atomic_write_text
 from mergekit_bmm.merge_methods.bmm_parameters import DEFAULT_ANCHOR, PRETRAINED_ANCHOR, anchor_parameters
-from mergekit_bmm.recipes import run as recipe_run
+from mergekit_bmm.plugin import run as recipe_run
 from mergekit_bmm.recipes.parse import yaml_text
 from mergekit_bmm.search.config import canonical_hash
 from mergekit_bmm.search.experiment import Experiment, RunFolder

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mergekit_bmm.io.atomic import atomic_write_text
-from mergekit_bmm.recipes import run as recipe_run
+from mergekit_bmm.plugin import run as recipe_run
 from mergekit_bmm.search.experiment import RunFolder
 from mergekit_bmm.search.log import TrialRecord
 from mergekit_bmm.search.space import TrialRecipes, text_sha256

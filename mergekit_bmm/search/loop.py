@@ -105,7 +105,7 @@ class SearchRun:
 
     # ------------------------------------------------------------------ set-up
     def _merge_options(self) -> Any:
-        from mergekit_bmm.recipes.run import merge_options
+        from mergekit_bmm.plugin.run import merge_options
 
         return merge_options(self.options.merge_options, device=self.device, quiet=True)
 

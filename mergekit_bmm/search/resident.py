@@ -2,7 +2,7 @@
 
 At start the search loads the base checkpoint once (transformers, the class and dtype the
 evaluator asks for) and runs mergekit's plan of the first trial's recipe in memory
-(:func:`~mergekit_bmm.recipes.run.merge_recipe_in_memory`). That pass fills or reads
+(:func:`~mergekit_bmm.plugin.run.merge_recipe_in_memory`). That pass fills or reads
 bmm's factor cache, puts every output tensor into the model (tensors bmm does not solve
 keep those values: the anchor's), and — through the kernel's observer — hands over each
 solved tensor's λ-independent factors and ``W_pre``. A trial is then, per solved tensor,
@@ -36,7 +36,7 @@ from mergekit_bmm.evaluation.base import ModelLoading, load_model, load_tokenize
 from mergekit_bmm.io.model_folder import model_type_of
 from mergekit_bmm.merge_methods import observer
 from mergekit_bmm.merge_methods.bmm import checked_output
-from mergekit_bmm.recipes import run as recipe_run
+from mergekit_bmm.plugin import run as recipe_run
 from mergekit_bmm.search.experiment import Experiment, middle_of
 from mergekit_bmm.search.fidelity import evaluate_trial
 from mergekit_bmm.search.space import SearchSpace

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from mergekit_bmm.errors import error_summary, find_bmm_error
 from mergekit_bmm.evaluation.base import evaluate_folder
-from mergekit_bmm.recipes import run as recipe_run
+from mergekit_bmm.plugin import run as recipe_run
 from mergekit_bmm.search.fidelity import Incumbent, StagedScores, evaluate_trial
 from mergekit_bmm.search.space import text_sha256
 

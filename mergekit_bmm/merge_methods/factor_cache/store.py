@@ -10,11 +10,11 @@ File layout:
 
 * ``<cache>/<tensor name>.<digest>.safetensors``: the tensor's correction and anchor, where
   ``digest`` hashes a *key*, a canonical JSON text describing everything the factors depend
-  on (built by :mod:`mergekit_bmm.factor_cache.key`);
+  on (built by :mod:`mergekit_bmm.merge_methods.factor_cache.key`);
 * ``<cache>/bases/<id>.<precision>.safetensors``: ``Q`` and ``Λ`` of one eigendecomposition;
   an entry names the basis it was formed in. Weights that read the same input with the same
   statistics (q/k/v, gate/up in the ``activations`` mode) have the same ``G`` and share one
-  basis and one eigendecomposition (:mod:`~mergekit_bmm.factor_cache.fill`); a data-free or
+  basis and one eigendecomposition (:mod:`~mergekit_bmm.merge_methods.factor_cache.fill`); a data-free or
   ``mix`` Gram contains the weight's own task vectors and is its own.
 
 Every file stores its full key in its metadata, which must match on reading, with a CRC-32 of
@@ -27,7 +27,7 @@ Writes go to a unique temporary file in the same directory and are renamed into 
 twice and a reader never sees half a file. Nothing is ever deleted: ``rm -r`` the
 directory to reclaim space.
 
-Precision per factor (:mod:`~mergekit_bmm.factor_cache.precision`): int16 fixed point with a
+Precision per factor (:mod:`~mergekit_bmm.merge_methods.factor_cache.precision`): int16 fixed point with a
 float32 scale per column, or float32 (float16 or float64 when asked). Whoever stores factors solves from
 the rounded copies that were stored, so a first (filling) merge and a later (reading) merge
 give bit-identical results.
@@ -48,8 +48,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mergekit_bmm.core.closed_form import EigenFactors
-from mergekit_bmm.factor_cache.precision import encode
 from mergekit_bmm.io.atomic import replacing
+from mergekit_bmm.merge_methods.factor_cache.precision import encode
 
 LOG = logging.getLogger("mergekit_bmm")
 

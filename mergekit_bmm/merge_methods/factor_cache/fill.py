@@ -2,7 +2,7 @@
 
 The first merge of a tensor with ``cache:`` diagonalises ``G`` in float64, forms the correction
 ``(C − U0 G) Q`` in float64 *in that exact basis* and stores each factor at the precision
-:mod:`~mergekit_bmm.factor_cache.precision` chooses; it returns exactly what a later read of
+:mod:`~mergekit_bmm.merge_methods.factor_cache.precision` chooses; it returns exactly what a later read of
 the entry gives. Forming the correction in a rounded basis instead would turn the basis'
 rounding into a backward error of ``G``, amplified by ``κ(G + λ'I)``: so a basis is shared only
 by weights whose exact eigendecomposition this process still holds. Weights that read the same
@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 import torch
 
 from mergekit_bmm.core import closed_form
-from mergekit_bmm.core.closed_form import EigenFactors, NormalEquations
-from mergekit_bmm.factor_cache import key as cache_key
-from mergekit_bmm.factor_cache import precision as factor_precision
-from mergekit_bmm.factor_cache.store import FactorCache, StoredBasis, key_digest
+from mergekit_bmm.core.closed_form import EigenFactors
+from mergekit_bmm.core.normal_equations import NormalEquations
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
+from mergekit_bmm.merge_methods.factor_cache import key as cache_key
+from mergekit_bmm.merge_methods.factor_cache import precision as factor_precision
+from mergekit_bmm.merge_methods.factor_cache.store import FactorCache, StoredBasis, key_digest
 
 EXACT = torch.float64
 AUTO_BASES = (factor_precision.FIXED_POINT, torch.float32)

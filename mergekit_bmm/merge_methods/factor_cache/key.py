@@ -1,4 +1,4 @@
-"""What a cached factor depends on, written down as a key (see :mod:`mergekit_bmm.factor_cache.store`).
+"""What a cached factor depends on, written down as a key (the entries themselves: ``store.py``).
 
 A key is canonical JSON with:
 
@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from mergekit.merge_methods.base import TensorEntry
 
-from mergekit_bmm.factor_cache.store import CACHE_FORMAT
 from mergekit_bmm.io.fingerprint import file_fingerprint, model_fingerprint
 from mergekit_bmm.merge_methods.bmm_anchor import AnchorSource
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
+from mergekit_bmm.merge_methods.factor_cache.store import CACHE_FORMAT
 
 SAMPLE_RUNS = 16
 SAMPLE_RUN = 256

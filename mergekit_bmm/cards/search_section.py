@@ -1,0 +1,119 @@
+"""The card's "Search" section: how a search chose λ and s, and the scores it measured.
+
+It reads a search's summary (:class:`mergekit_bmm.search.summary.SearchSummary`) through
+:class:`SearchFacts`, the fields it needs, so cards do not import the search that writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from mergekit_bmm.cards.markdown import decimal_places, table
+from mergekit_bmm.cards.recipe_view import format_value
+
+
+class SearchFacts(Protocol):
+    """What the card reads of a search's summary."""
+
+    strategy: str
+    budget: int
+    n_initial: int
+    seed: int
+    blocks: list[list[int]]
+    groups: list[str]
+    completed_trials: int
+    failed_trials: int
+    best_trial: int | None
+    best_score: float | None
+    best_per_task: dict[str, float | None]
+    anchor_score: float | None
+    anchor_per_task: dict[str, float | None] | None
+    evaluator: dict[str, Any]
+    box_changes: list[dict[str, Any]]
+    fidelity: dict[str, Any] | None
+    convergence_plot: str | None
+    lambda_plot: str | None
+    best_recipe: str | None
+
+    def anchor_verdict(self) -> str | None: ...
+
+
+def search_section(summary: SearchFacts, plots: Mapping[str, str]) -> list[str]:
+    """The card's "Search" section: how λ and s were chosen and what each task scored."""
+    evaluator = summary.evaluator.get("type", "—") if summary.evaluator else "—"
+    facts = [
+        ("strategy", summary.strategy),
+        ("budget", format_value(summary.budget)),
+        ("initial points", format_value(summary.n_initial)),
+        ("seed", format_value(summary.seed)),
+        ("trials completed / failed", f"{summary.completed_trials} / {summary.failed_trials}"),
+        ("best trial", format_value(summary.best_trial)),
+        ("best score", format_value(summary.best_score)),
+        (
+            "anchor score",
+            format_value(summary.anchor_score) if summary.anchor_score is not None else "not evaluated",
+        ),
+        ("evaluator", str(evaluator)),
+        ("blocks", ", ".join(f"{a}–{b - 1}" for a, b in summary.blocks) or "—"),
+        ("groups searched", ", ".join(summary.groups) or "—"),
+    ]
+    lines = [
+        "## Search",
+        "",
+        "λ per block and group and s per block were chosen by `mergekit-bmm-search`, which scores each "
+        "candidate merge on a validation set (Gaussian-process Bayesian optimisation with expected "
+        "improvement for the `bo` strategy).",
+        "",
+        table(["search", "value"], facts),
+        "",
+    ]
+    staged = (getattr(summary, "fidelity", None) or {}).get("description")
+    if staged:  # how the search spent its validation examples (cheap-then-full evaluation)
+        lines += [staged[0].upper() + staged[1:] + ".", ""]
+    changes = getattr(summary, "box_changes", None) or []
+    if changes:
+        lines += ["The search box widened where the best point sat on an edge:", ""]
+        lines += [
+            f"- search box widened: `{change['dimension']}` "
+            f"[{change['old_low']:.4g}, {change['old_high']:.4g}] → "
+            f"[{change['low']:.4g}, {change['high']:.4g}] after trial {change['after_trial']}"
+            for change in changes
+        ]
+        lines.append("")
+    anchor = summary.anchor_per_task or {}
+    tasks = list(dict.fromkeys([*summary.best_per_task, *anchor]))
+    if tasks:
+        scores = [*summary.best_per_task.values(), *anchor.values(), summary.best_score, summary.anchor_score]
+        places = decimal_places([value for value in scores if value is not None])
+
+        def score(value: float | None) -> str:
+            return "—" if value is None else f"{value:.{places}f}"
+
+        def delta(best: float | None, base: float | None) -> str:
+            return "—" if best is None or base is None else f"{best - base:+.{places}f}"
+
+        rows = [
+            (
+                task,
+                score(summary.best_per_task.get(task)),
+                score(anchor.get(task)),
+                delta(summary.best_per_task.get(task), anchor.get(task)),
+            )
+            for task in tasks
+        ]
+        if summary.best_score is not None:
+            overall = summary.anchor_score
+            rows.append(
+                ("**overall**", score(summary.best_score), score(overall), delta(summary.best_score, overall))
+            )
+        lines += ["Scores per task (this model against the anchor merge):", ""]
+        lines += [table(["task", "BMM (this model)", "anchor", "Δ"], rows), ""]
+        if summary.anchor_per_task is None:
+            lines += ["The anchor was not evaluated (`mergekit-bmm-search --eval-anchor` adds it).", ""]
+    verdict = summary.anchor_verdict()
+    if verdict:
+        lines += [f"**{verdict}**", ""]
+    for title, file_name in plots.items():
+        lines += [f"![{title}]({file_name})", ""]
+    return lines

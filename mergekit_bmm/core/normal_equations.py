@@ -1,0 +1,146 @@
+"""BMM's normal equations ``U·G = C`` for one weight: the Gram and cross term, before any ridge.
+
+Data-free (``G = Σ U_tᵀU_t``, ``C = Σ U_t U_tᵀU_t``), from activation Grams (``G = Σ G_t``,
+``C = Σ U_t G_t``) or their mix, each task optionally weighed by ``task_balance``
+(:mod:`mergekit_bmm.core.task_balance`). Solving them is :mod:`mergekit_bmm.core.closed_form`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mergekit_bmm.core.task_balance import balance_weights, size_kind
+from mergekit_bmm.errors import ConfigError, TensorInputError
+
+
+@dataclass(frozen=True)
+class NormalEquations:
+    """The λ-independent part of one merge: ``U·G = C`` before the ridge is added."""
+
+    gram: torch.Tensor
+    cross: torch.Tensor
+
+    def __post_init__(self) -> None:
+        d_in = self.gram.shape[-1]
+        if self.gram.shape != (d_in, d_in) or self.cross.shape[-1] != d_in or self.cross.ndim != 2:
+            raise TensorInputError(
+                f"normal equations have inconsistent shapes: Gram {tuple(self.gram.shape)}, "
+                f"cross term {tuple(self.cross.shape)}"
+            )
+
+    @property
+    def d_in(self) -> int:
+        return self.gram.shape[-1]
+
+    @property
+    def mean_eigenvalue(self) -> float:
+        """``tr(G)/d_in``: the scale that makes λ and ε dimensionless."""
+        return float(torch.diagonal(self.gram).sum()) / self.d_in
+
+    def scaled(self, factor: float) -> NormalEquations:
+        return NormalEquations(self.gram * factor, self.cross * factor)
+
+    def normalized(self) -> NormalEquations:
+        """Divide Gram and cross term by the Gram's mean eigenvalue (no-op for G = 0)."""
+        scale = self.mean_eigenvalue
+        return self if scale <= 0 else self.scaled(1.0 / scale)
+
+
+def _stack(task_vectors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    if not task_vectors:
+        raise TensorInputError("the closed form needs at least one task vector")
+    shape = task_vectors[0].shape
+    if len(shape) != 2:
+        raise TensorInputError(f"task vectors must be 2D (out, in); got shape {tuple(shape)}")
+    for index, vector in enumerate(task_vectors):
+        if vector.shape != shape:
+            raise TensorInputError(
+                f"task vector {index} has shape {tuple(vector.shape)}, expected {tuple(shape)}"
+            )
+    return [vector.to(dtype) for vector in task_vectors]
+
+
+def data_free_equations(
+    task_vectors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32, balance: str = "none"
+) -> NormalEquations:
+    """``G = Σ w_t U_tᵀU_t`` and ``C = Σ w_t U_t U_tᵀU_t`` (paper eq. for data-free BMM; ``w_t = 1``
+    unless ``balance`` weighs the tasks, see :mod:`mergekit_bmm.core.task_balance`).
+
+    ``C`` is formed as ``Σ (U_t U_tᵀ) U_t`` when ``out < in`` (cheaper), else as
+    ``Σ U_t (U_tᵀ U_t)``; both are the same matrix.
+    """
+    vectors = _stack(task_vectors, dtype)
+    out_features, in_features = vectors[0].shape
+    weights = balance_weights([_update_size(v, size_kind(balance)) for v in vectors], balance)
+    gram = vectors[0].new_zeros((in_features, in_features))
+    cross = vectors[0].new_zeros((out_features, in_features))
+    for vector, weight in zip(vectors, weights):
+        task_gram = vector.T @ vector
+        gram.add_(task_gram, alpha=weight)
+        if out_features < in_features:
+            cross.add_((vector @ vector.T) @ vector, alpha=weight)
+        else:
+            cross.add_(vector @ task_gram, alpha=weight)
+        del task_gram
+    return NormalEquations(gram, cross)
+
+
+def _update_size(vector: torch.Tensor, kind: str | None) -> float:
+    """``tr(U_tᵀU_t)`` or ``‖U_tᵀU_t‖_F`` of one task's update (0 when no balance asks for it)."""
+    if kind is None:
+        return 0.0
+    if kind == "trace":
+        return float(vector.square().sum())
+    small = vector @ vector.T if vector.shape[0] < vector.shape[1] else vector.T @ vector
+    return float(small.norm())
+
+
+def activation_equations(
+    task_vectors: Sequence[torch.Tensor],
+    activation_grams: Sequence[torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    balance: str = "none",
+) -> NormalEquations:
+    """``G = Σ w_t G_t`` and ``C = Σ w_t U_t G_t`` from per-task activation Grams (data-assisted;
+    ``w_t = 1`` unless ``balance`` weighs the tasks by ``tr(G_t)`` or ``‖G_t‖_F``)."""
+    vectors = _stack(task_vectors, dtype)
+    if len(activation_grams) != len(vectors):
+        raise TensorInputError(
+            f"got {len(activation_grams)} activation Grams for {len(vectors)} task vectors"
+        )
+    out_features, in_features = vectors[0].shape
+    for index, task_gram in enumerate(activation_grams):
+        if task_gram.shape != (in_features, in_features):
+            raise TensorInputError(
+                f"activation Gram {index} has shape {tuple(task_gram.shape)}, expected "
+                f"({in_features}, {in_features}) for a weight of shape ({out_features}, {in_features})"
+            )
+    kind = size_kind(balance)
+    sizes = [0.0 if kind is None else _gram_size(g, kind) for g in activation_grams]
+    weights = balance_weights(sizes, balance)
+    gram = vectors[0].new_zeros((in_features, in_features))
+    cross = vectors[0].new_zeros((out_features, in_features))
+    for vector, task_gram, weight in zip(vectors, activation_grams, weights):
+        task_gram = task_gram.to(device=vector.device, dtype=dtype)
+        gram.add_(task_gram, alpha=weight)
+        cross.add_(vector @ task_gram, alpha=weight)
+    return NormalEquations(gram, cross)
+
+
+def _gram_size(gram: torch.Tensor, kind: str) -> float:
+    return float(torch.diagonal(gram).double().sum()) if kind == "trace" else float(gram.double().norm())
+
+
+def mix_equations(few_shot: NormalEquations, data_free: NormalEquations, epsilon: float) -> NormalEquations:
+    """``ε·few + (1-ε)·df`` after normalising each by its Gram's mean eigenvalue."""
+    if not 0.0 <= epsilon <= 1.0:
+        raise ConfigError(f"epsilon must lie in [0, 1]; got {epsilon}")
+    few = few_shot.normalized()
+    free = data_free.normalized()
+    return NormalEquations(
+        epsilon * few.gram + (1.0 - epsilon) * free.gram,
+        epsilon * few.cross + (1.0 - epsilon) * free.cross,
+    )
