@@ -61,17 +61,38 @@ def _imports(folder: str) -> set[str]:
     return found
 
 
-def test_dependencies_point_down_the_pipeline():
-    """No import circles: the methods never ask the plugin (it registers them), the mathematics
-    imports nothing of ours but its errors, and inside the search a trial never imports what places it."""
+# The pipeline from the bottom up (docs/development.md): a module imports only from its own
+# folder or one below it.
+PIPELINE = (
+    "errors", "io", "devices", "core", "anchors", "recipes", "evaluation", "stats", "merge_methods",
+    "cards", "sampling", "plugin", "search", "examples", "ensemble", "cli",
+)  # fmt: skip
+
+
+def test_every_import_points_down_the_pipeline_and_no_file_is_long():
     import ast
 
-    for folder in ("merge_methods", "factor_cache", "core"):
-        assert not {m for m in _imports(folder) if m.startswith("mergekit_bmm.plugin")}, folder
+    package = ROOT / "mergekit_bmm"
+    rank = {name: index for index, name in enumerate(PIPELINE)}
+    upward, long_files = [], []
+    for path in package.rglob("*.py"):
+        here = path.relative_to(package).parts[0].removesuffix(".py")
+        text = path.read_text(encoding="utf-8")
+        if len(text.splitlines()) > 450:
+            long_files.append(path.name)
+        if here == "__init__":
+            continue
+        assert here in rank, f"{here} is not in the pipeline order of this test and docs/development.md"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mergekit_bmm."):
+                there = node.module.split(".")[1]
+                if rank.get(there, -1) > rank[here]:
+                    upward.append(f"{path.relative_to(package)} imports {node.module}")
+    assert not upward and not long_files, (upward, long_files)
     assert not {m for m in _imports("core") if not m.startswith(("mergekit_bmm.core", "mergekit_bmm.errors"))}
     search = {}
     for name in ("trials", "workers"):
-        tree = ast.parse((ROOT / "mergekit_bmm" / "search" / f"{name}.py").read_text(encoding="utf-8"))
+        tree = ast.parse((package / "search" / f"{name}.py").read_text(encoding="utf-8"))
         search[name] = {
             node.module.rsplit(".", 1)[-1]
             for node in ast.walk(tree)

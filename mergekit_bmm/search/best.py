@@ -1,4 +1,4 @@
-"""The search's answer: ``best.yml`` (the best trial's recipe) and ``best/`` (that recipe merged).
+"""The search's answer: ``best.yml`` (the best trial's recipe), ``best/`` (that recipe merged) and its card.
 
 ``best.yml`` is the scored trial's recipe without bmm's factor cache (a machine-local path and
 only a speed-up), and ``best/`` is mergekit's merge of exactly that text, so ``mergekit-yaml
@@ -13,11 +13,13 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
+from mergekit_bmm.cards.card import write_search_card
 from mergekit_bmm.io.atomic import atomic_write_text
 from mergekit_bmm.plugin import run as recipe_run
 from mergekit_bmm.search.experiment import RunFolder
 from mergekit_bmm.search.log import TrialRecord
 from mergekit_bmm.search.space import TrialRecipes, text_sha256
+from mergekit_bmm.search.summary import SearchSummary
 
 
 class BestModel:
@@ -79,3 +81,13 @@ class BestModel:
         )
         shutil.rmtree(self.folder.best_dir, ignore_errors=True)
         staging.rename(self.folder.best_dir)
+
+    def write_card(self, summary: SearchSummary, best: TrialRecord | None) -> None:
+        """The Hub model card of ``best/`` (search results included); never fatal."""
+        if not self.folder.best_dir.is_dir() or not self.is_current(best):
+            return
+        try:
+            write_search_card(self.folder.best_dir, summary, self.folder.root)
+        except Exception as error:  # a card must never cost the search its results
+            text = " ".join(str(error).split())
+            self.echo(f"warning: could not write the model card of {self.folder.best_dir}: {text}")

@@ -430,24 +430,9 @@ class SearchRun:
             self.best_model.merge(best, self._merge_options())
         self.folder.fresh_work_dir().rmdir()
         summary = self._write_summary(status)
-        self._write_card(summary, best)
+        if not self.options.skip_best:
+            self.best_model.write_card(summary, best)
         return summary
-
-    def _write_card(self, summary: SearchSummary, best: TrialRecord | None) -> None:
-        """The Hub model card of best/ (search results included); never fatal."""
-        if (
-            self.options.skip_best
-            or not self.folder.best_dir.is_dir()
-            or not self.best_model.is_current(best)
-        ):
-            return
-        from mergekit_bmm.cards.card import write_search_card
-
-        try:
-            write_search_card(self.folder.best_dir, summary, self.folder.root)
-        except Exception as error:  # a card must never cost the search its results
-            text = " ".join(str(error).split())
-            self.echo(f"warning: could not write the model card of {self.folder.best_dir}: {text}")
 
 
 def run_search(
