@@ -102,24 +102,6 @@ def test_patch_is_applied_when_mergekit_plan_is_imported_first():
     assert out.split() == [str(patches.optional_alias_bug_present())]
 
 
-def test_patches_are_gated_on_the_mergekit_version(monkeypatch):
-    """A mergekit the patches were not written for is left alone, even where the probe matches."""
-    from types import SimpleNamespace
-
-    def run_merge(merge_config, out_path, options, config_source=None):
-        return "mergekit's merge"
-
-    wrapper = next(patch for patch in patches.PATCHES if patch.name == "merge_wrapper")
-    module = SimpleNamespace(__name__="mergekit.merge", run_merge=run_merge)
-    monkeypatch.setattr(patches, "mergekit_version", lambda: "9.9.9")
-    patches._apply(wrapper, module)
-    assert module.run_merge is run_merge
-    monkeypatch.setattr(patches, "mergekit_version", lambda: patches.SUPPORTED_MERGEKIT[0])
-    monkeypatch.setattr(patches, "APPLIED", [])
-    patches._apply(wrapper, module)
-    assert module.run_merge is not run_merge and patches.is_patched(wrapper, module)
-
-
 def test_the_wrapper_uses_only_public_mergekit_attributes():
     """Cards, records and pre-flight need no private attribute of mergekit's: only the alias fix reads one."""
     import inspect

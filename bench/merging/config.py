@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from mergekit_bmm.errors import ConfigError
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+Balance = Literal["none", "trace", "frobenius", "adaptive"]  # bmm's `task_balance` (docs/recipes.md)
 
 
 class _Strict(BaseModel):
@@ -182,6 +183,28 @@ class SweepSpec(_Strict):
     threads: int = Field(
         default=2, ge=1, description="torch threads for the sweeps (products and scoring, no LAPACK)"
     )
+    balance_anchors: list[str] = Field(
+        default_factory=list,
+        description="anchors of the task-balance sweeps: one shared λ, then s, per `task_balance` value",
+    )
+    balances: list[Balance] = ["none", "trace", "frobenius", "adaptive"]
+    balance_settings: list[Literal["data_free", "data_assisted"]] = ["data_free"]
+
+
+class VariantSpec(_Strict):
+    """Searches that differ from the main ones in one choice, scored against them pairwise on test."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    anchors: list[str] = Field(min_length=1)
+    settings: list[Literal["data_free", "data_assisted"]] = ["data_free"]
+    blocks: int | None = Field(default=None, ge=1, description="None: the main searches' blocks")
+    budget: int | None = Field(default=None, ge=1, description="None: the main searches' budget")
+    n_initial: int | None = Field(default=None, ge=1)
+    task_balance: Balance | None = Field(default=None, description="bmm's `task_balance` (None: not set)")
+    seeds: list[int] = Field(default=[0], min_length=1)
+    against: str | None = Field(
+        default=None, description="the variant to pair with on test, cell by cell (None: the main search)"
+    )
 
 
 class AblationSpec(_Strict):
@@ -258,6 +281,7 @@ class RunConfig(_Strict):
     search: SearchSpec = Field(default_factory=SearchSpec)
     sweeps: SweepSpec = Field(default_factory=SweepSpec)
     ablation: AblationSpec = Field(default_factory=AblationSpec)
+    variants: list[VariantSpec] = Field(default_factory=list)
     language: LanguageSpec = Field(default_factory=LanguageSpec)
     device: Literal["cpu", "cuda", "auto"] = Field(
         default="cpu",

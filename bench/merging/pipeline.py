@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from tqdm.auto import tqdm
 from bench.merging import device, report
 from bench.merging.anchor_tuning import materialise, tune_anchor
 from bench.merging.cache import ScoreCache, read_json, stable_key, write_json
-from bench.merging.config import AnchorSpec, RunConfig
+from bench.merging.config import AnchorSpec, RunConfig, VariantSpec
 from bench.merging.diagnostics import cached_moved_from_anchor, expert_alignment
 from bench.merging.encoder import load_encoder, prepare_encoder
 from bench.merging.finetune import build_expert
@@ -152,6 +153,11 @@ def run_benchmark(
         if setting == config.ablation.setting and stop >= STAGES.index("ablation") and config.ablation.anchor:
             with clock.stage("ablation"):
                 _ablation(config, cache_dir, art, results)
+    if stop >= STAGES.index("variants") and config.variants:
+        from bench.merging.variants import run_variants
+
+        with clock.stage("variants"):
+            run_variants(config, art, results, partial(_one_search, config, cache_dir, art))
     if stop >= STAGES.index("scores"):
         add_intervals(config, cache_dir, art, results)
     if stop >= STAGES.index("language") and config.language.enabled:
@@ -392,7 +398,6 @@ def _stats(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
 def _sweeps(config: RunConfig, cache_dir: Path, art: Artifacts, results, folder: Path) -> None:
     """Validation along one λ group or s at a time (bench/merging/sweeps.py), data-free and data-assisted."""
     from bench.merging.sweeps import run_sweeps
-    from mergekit_bmm.core.module_map import GROUP_NAMES
 
     spec = config.sweeps
     experts = [art.experts[task.name] for task in art.tasks.values()]
@@ -400,23 +405,52 @@ def _sweeps(config: RunConfig, cache_dir: Path, art: Artifacts, results, folder:
     searches = {}
     for setting in spec.settings:
         template = bmm_template(art.encoder, experts, _anchor_folder(spec.anchor, art), setting, art.stats)
-        searches[setting] = {
-            "recipe": template,
-            "blocks": 1,
-            "groups": list(GROUP_NAMES),
-            "lambda_range": [min(spec.lambdas), max(spec.lambdas)],
-            "scale_range": [min(spec.scales), max(spec.scales)],
-            "budget": 1,
-            "n_initial": 1,
-            "strategy": "random",
-            "evaluator": evaluator_block(config, art, "validation"),
-        }
+        searches[setting] = _sweep_search(config, art, template)
     anchor_row = report.find_row(results, spec.anchor) if spec.anchor != "pretrained" else None
     anchor_validation = anchor_row["validation_avg"] if anchor_row else None
     folder.mkdir(parents=True, exist_ok=True)
     started = time.time()
     results["sweeps"] = run_sweeps(spec, searches, anchor_validation, cache_dir, folder)
     say(f"sweeps    {spec.anchor}: {len(searches)} settings, {round(time.time() - started)} s -> sweeps.png")
+    if spec.balance_anchors:
+        _balance_sweeps(config, art, results, cache_dir, folder)
+
+
+def _sweep_search(config: RunConfig, art: Artifacts, template: dict[str, Any]) -> dict[str, Any]:
+    """The search.yml a sweep's resident model is built from: one block, every group, the grid's box."""
+    from mergekit_bmm.core.module_map import GROUP_NAMES
+
+    spec = config.sweeps
+    return {
+        "recipe": template,
+        "blocks": 1,
+        "groups": list(GROUP_NAMES),
+        "lambda_range": [min(spec.lambdas), max(spec.lambdas)],
+        "scale_range": [min(spec.scales), max(spec.scales)],
+        "budget": 1,
+        "n_initial": 1,
+        "strategy": "random",
+        "evaluator": evaluator_block(config, art, "validation"),
+    }
+
+
+def _balance_sweeps(config: RunConfig, art: Artifacts, results, cache_dir: Path, folder: Path) -> None:
+    """Validation along one shared λ and then s, per ``task_balance``, over each balance anchor."""
+    from bench.merging.sweeps import run_balance_sweeps
+
+    spec = config.sweeps
+    experts = [art.experts[task.name] for task in art.tasks.values()]
+    searches = {}
+    for anchor in spec.balance_anchors:
+        for setting in spec.balance_settings:
+            for balance in spec.balances:
+                template = bmm_template(art.encoder, experts, _anchor_folder(anchor, art), setting, art.stats)
+                if balance != "none":  # today's Gram: the parameter unset, as a user's recipe has it
+                    template["parameters"]["task_balance"] = balance
+                searches[(anchor, setting, balance)] = _sweep_search(config, art, template)
+    started = time.time()
+    results["balance_sweeps"] = run_balance_sweeps(spec, searches, cache_dir, folder)
+    say(f"balance   {len(searches)} sweeps, {round(time.time() - started)} s -> balance.png")
 
 
 def _anchor_folder(name: str, art: Artifacts) -> Path | None:
@@ -441,18 +475,31 @@ def _search_folder(config: RunConfig, cache_dir: Path, label: str, search: dict[
 
 
 def _one_search(
-    config: RunConfig, cache_dir: Path, art: Artifacts, anchor: str, setting: str, strategy: str, seed: int
+    config: RunConfig,
+    cache_dir: Path,
+    art: Artifacts,
+    anchor: str,
+    setting: str,
+    strategy: str,
+    seed: int,
+    variant: VariantSpec | None = None,
 ) -> dict[str, Any]:
-    """One ``mergekit-bmm-search``, its best model scored on validation and test."""
+    """One ``mergekit-bmm-search``, its best model scored on validation and test; a ``variant``
+    changes the main searches' blocks, budget or task balance."""
     tasks = list(art.tasks.values())
     experts = [art.experts[task.name] for task in tasks]
     if setting == "data_assisted":
         _stats(config, cache_dir, art, {"timings": {}})
     template = bmm_template(art.encoder, experts, _anchor_folder(anchor, art), setting, art.stats)
-    search = search_config(
-        config.search, template, evaluator_block(config, art, "validation"), strategy, seed
-    )
+    spec = config.search
+    if variant is not None:
+        changes = {"blocks": variant.blocks, "budget": variant.budget, "n_initial": variant.n_initial}
+        spec = spec.model_copy(update={key: value for key, value in changes.items() if value is not None})
+        if variant.task_balance is not None:
+            template["parameters"]["task_balance"] = variant.task_balance
+    search = search_config(spec, template, evaluator_block(config, art, "validation"), strategy, seed)
     label = f"{anchor}-{setting}-{strategy}" + (f"-seed{seed}" if seed else "")
+    label = f"{variant.name}-{label}" if variant is not None else label
     folder = _search_folder(config, cache_dir, label, search)
     factors = cache_dir / "factors" / config.name / f"{anchor}-{setting}"  # shared by the cell's searches
     started = time.time()
@@ -790,6 +837,10 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
                 cell["delta_best_anchor_high"],
             ]
     results["summary"] = summary
+    if results.get("variants"):
+        from bench.merging.variants import variant_intervals
+
+        variant_intervals(results, flags, merged, anchors)
     results["verdict"] = verdict(summary)
     results["best_anchor"] = best
 

@@ -644,11 +644,17 @@ def language_markdown(language: dict[str, Any]) -> str:
         lines.append(row(f"task_arithmetic (weight {ta['weight']})", ta["scores"]))
     if "bmm" in language:
         lines.append(row(_bmm_label("task_arithmetic", language["bmm"]), language["bmm"]["scores"]))
+        if "defaults" in language["bmm"]:
+            lines.append(
+                row("BMM over task_arithmetic at its defaults", language["bmm"]["defaults"]["scores"])
+            )
     for name, anchor in language.get("anchors", {}).items():
         tuned = f"{anchor['parameter']} {anchor['value']}" if anchor.get("parameter") else "defaults"
         lines.append(row(f"{name} ({tuned})", anchor["scores"]))
         if "bmm" in anchor:
             lines.append(row(_bmm_label(name, anchor["bmm"]), anchor["bmm"]["scores"]))
+            if "defaults" in anchor["bmm"]:
+                lines.append(row(f"BMM over {name} at its defaults", anchor["bmm"]["defaults"]["scores"]))
     lines.append(row("Indiv. (each expert on its task)", language["indiv"]))
     limit = language.get("eval_limit")
     text = (
@@ -756,6 +762,26 @@ def write(results: dict[str, Any], folder: Path) -> None:
             text += ["## Search strategy ablation (Table 3 in kind)", "", ablation_table(results), ""]
         if results.get("bmm_runtime"):
             text += ["## Runtime of the searches (Table 5 in kind)", "", runtime_table(results), ""]
+    if results.get("variants"):
+        from bench.merging.variants import variants_markdown
+
+        text += [
+            "## Variants: one choice changed, paired against the main search",
+            "",
+            variants_markdown(results),
+            "",
+        ]
+    if results.get("balance_sweeps"):
+        from bench.merging.sweeps import balance_markdown
+
+        text += [
+            "## Task balance: validation along one shared λ, then s, per `task_balance`",
+            "",
+            "![task balance](balance.png)",
+            "",
+            balance_markdown(results),
+            "",
+        ]
     text += ["## All rows", "", markdown(results), ""]
     text += ["## Data and experts", "", data_table(results), ""]
     if plot_expert_curves(results, folder / "experts.png"):

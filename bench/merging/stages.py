@@ -10,5 +10,6 @@ STAGES = (
     "sweeps",
     "bmm",
     "ablation",
+    "variants",
     "language",
 )

@@ -41,11 +41,18 @@ def _norm_ratios(resident, scale: float) -> dict[str, float]:
 
 
 def sweep_setting(
-    spec: SweepSpec, search: dict[str, Any], cache: Path, progress: str = "", done: Path | None = None
+    spec: SweepSpec,
+    search: dict[str, Any],
+    cache: Path,
+    progress: str = "",
+    done: Path | None = None,
+    shared_lambda: bool = False,
 ) -> dict[str, Any]:
     """Every point of one setting's sweeps (a resident model, scored on validation).
 
-    ``done`` (JSONL) keeps each finished point as it is scored: an interrupted sweep resumes there.
+    Each λ group in turn, then ``s``; with ``shared_lambda`` one λ for every group at once
+    (``along: lambda``), then ``s``. ``done`` (JSONL) keeps each finished point as it is scored:
+    an interrupted sweep resumes there.
     """
     from tqdm.auto import tqdm
 
@@ -69,9 +76,15 @@ def sweep_setting(
         merge_options(None, quiet=True, device=device.current()),
     )
     points = [("reference", None, reference)]
-    for group in experiment.space.groups:
+    if shared_lambda:
         for value in spec.lambdas:
-            points.append((group, value, {**reference, f"block0.{group}": value}))
+            points.append(
+                ("lambda", value, {**reference, **{f"block0.{g}": value for g in experiment.space.groups}})
+            )
+    else:
+        for group in experiment.space.groups:
+            for value in spec.lambdas:
+                points.append((group, value, {**reference, f"block0.{group}": value}))
     for value in spec.scales:
         points.append(("scale", value, {**reference, "block0.scale": value}))
     finished = _finished_points(done)
@@ -194,6 +207,103 @@ def plot_sweeps(sweeps: dict[str, Any], path: Path) -> Path:
         f"{next(v for k, v in reference.items() if 'scale' not in k):g}, s = {reference['block0.scale']:g}",
         fontsize=11,
     )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_balance_sweeps(
+    spec: SweepSpec,
+    searches: dict[tuple[str, str, str], dict[str, Any]],
+    cache_dir: Path,
+    results_folder: Path,
+) -> dict[str, Any]:
+    """Per (anchor, setting, task balance): validation along one shared λ, then s; ``balance.png``."""
+    out: dict[str, Any] = {"reference_lambda": spec.reference_lambda, "reference_scale": spec.reference_scale}
+    cells: dict[str, Any] = out.setdefault("cells", {})
+    previous = torch.get_num_threads()
+    torch.set_num_threads(spec.threads)
+    try:
+        for (anchor, setting, balance), search in searches.items():
+            grid = {"lambdas": spec.lambdas, "scales": spec.scales, "reference": spec.reference_lambda}
+            key = stable_key(
+                {"kind": "balance", "grid": grid, "scale": spec.reference_scale, "search": search}
+            )
+            path = cache_dir / "sweeps" / f"balance-{anchor}-{setting}-{balance}-{key}.json"
+            if path.is_file():
+                result = read_json(path)
+            else:
+                factors = cache_dir / "sweeps" / f"factors-{anchor}-{setting}"  # keys tell balances apart
+                done = path.with_name(path.stem + ".points.jsonl")
+                label = f"balance {anchor} {setting} {balance}"
+                result = sweep_setting(spec, search, factors, label, done, shared_lambda=True)
+                write_json(path, result)
+            cells.setdefault(f"{anchor}/{setting}", {})[balance] = result
+    finally:
+        torch.set_num_threads(previous)
+    plot_balance(out, results_folder / "balance.png")
+    return out
+
+
+def _best(points: list[dict[str, Any]]) -> dict[str, Any]:
+    return max(points, key=lambda point: point["validation"])
+
+
+def balance_markdown(results: dict[str, Any]) -> str:
+    """Per cell and balance: validation at the reference point and at the best point of the sweeps."""
+    sweeps = results["balance_sweeps"]
+    lines = [
+        f"Reference point: every λ {sweeps['reference_lambda']:g}, s {sweeps['reference_scale']:g}; the best "
+        "point is over the shared-λ and s sweeps (validation %).",
+        "",
+        "| anchor / setting | task balance | at the reference | best along λ (λ) | best along s (s) | "
+        "best vs none |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cell, balances in sweeps["cells"].items():
+        none_best = _best(balances["none"]["points"])["validation"] if "none" in balances else None
+        for balance, result in balances.items():
+            points = result["points"]
+            reference = next(p for p in points if p["along"] == "reference")
+            along_lambda = _best([p for p in points if p["along"] == "lambda"] or [reference])
+            along_scale = _best([p for p in points if p["along"] == "scale"] or [reference])
+            best = _best(points)["validation"]
+            versus = f"{100 * (best - none_best):+.1f}" if none_best is not None else "—"
+            lines.append(
+                f"| {cell} | {balance} | {100 * reference['validation']:.1f} | "
+                f"{100 * along_lambda['validation']:.1f} ({along_lambda['value']}) | "
+                f"{100 * along_scale['validation']:.1f} ({along_scale['value']}) | {versus} |"
+            )
+    return "\n".join(lines)
+
+
+def plot_balance(sweeps: dict[str, Any], path: Path) -> Path:
+    """A row per anchor and setting: validation along the shared λ (left) and s (right), per balance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(sweeps["cells"])
+    fig, axes = plt.subplots(len(cells), 2, figsize=(8.5, 3.0 * len(cells)), squeeze=False, sharey="row")
+    for row, cell in enumerate(cells):
+        for column, along in enumerate(("lambda", "scale")):
+            ax = axes[row][column]
+            for balance, result in sweeps["cells"][cell].items():
+                points = [p for p in result["points"] if p["along"] == along]
+                ax.plot(
+                    [p["value"] for p in points],
+                    [100 * p["validation"] for p in points],
+                    marker="o",
+                    label=balance,
+                )
+            if along == "lambda":
+                ax.set_xscale("log")
+            ax.set_title(f"{cell}: {'shared λ' if along == 'lambda' else 's'}", fontsize=9)
+            ax.set_xlabel("λ (relative, every group)" if along == "lambda" else "s")
+        axes[row][0].set_ylabel("validation accuracy (%) ↑")
+    axes[0][0].legend(fontsize=7, title="task_balance", title_fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -117,6 +117,13 @@ def test_language_table_lists_every_anchor_and_its_bmm_row():
     assert "| ties + BMM (data-free, K=4; block0.scale=1.2) | 60.0 / 50.0 | 50.0 |" in text
 
 
+@pytest.fixture()
+def tiny_llama(tmp_path):
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
+
+    return make_tiny_family(tmp_path / "llama", "llama", n_experts=1)
+
+
 def test_test_scores_keep_each_document_for_paired_intervals(mc_task, tiny_llama, tmp_path, monkeypatch):
     from bench.merging.cache import ScoreCache
     from bench.merging.intervals import paired_difference

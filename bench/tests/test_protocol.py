@@ -106,9 +106,9 @@ def test_zero_shot_run_stops_experts_early_and_reports_range(tmp_path):
     """A tiny run with zero-shot heads and early stopping: heads are cosine heads, each expert's
     held-out curve and kept step are recorded and drawn, and the range figures are reported."""
     from click.testing import CliRunner
-    from test_smoke import tiny_encoder_config, write_task
 
     from bench.merging.__main__ import main
+    from bench.tests.test_smoke import tiny_encoder_config, write_task
     from mergekit_bmm.evaluation.classification import load_head
 
     config = {
@@ -173,9 +173,9 @@ def test_cuda_run_without_a_gpu_is_one_line(tmp_path):
     """``--device cuda`` on a machine without a GPU stops before any work, in one line that
     says how to go on."""
     from click.testing import CliRunner
-    from test_smoke import tiny_encoder_config, write_task
 
     from bench.merging.__main__ import main
+    from bench.tests.test_smoke import tiny_encoder_config, write_task
 
     config = {
         **tiny_encoder_config(tmp_path, "gpu"),

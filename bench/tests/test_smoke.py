@@ -281,8 +281,15 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
                 "n_initial": 1,
                 "seeds": [0, 1],
             },
-            "sweeps": {"anchor": "task_arithmetic", "lambdas": [0.01, 1.0], "scales": [0.5, 1.5]},
+            "sweeps": {
+                "anchor": "task_arithmetic",
+                "lambdas": [0.01, 1.0],
+                "scales": [0.5, 1.5],
+                "balance_anchors": ["task_arithmetic"],
+                "balances": ["none", "trace"],
+            },
             "ablation": {"anchor": "task_arithmetic", "setting": "data_free", "strategies": ["grid"]},
+            "variants": [{"name": "balanced", "anchors": ["task_arithmetic"], "task_balance": "trace"}],
         }
     )
     phase2 = tmp_path / "phase2.yml"
@@ -335,9 +342,19 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
     assert len(sweeps["data_free"]["points"]) == 1 + 4 * 2 + 2  # reference, λ per group, s
     assert (tmp_path / "results" / "smoke" / "sweeps.png").stat().st_size > 0
     assert [r["strategy"] for r in results["ablation"]["rows"]] == ["grid", "bo"]
+    balance = results["balance_sweeps"]["cells"]["task_arithmetic/data_free"]  # one shared λ, then s
+    assert set(balance) == {"none", "trace"} and len(balance["trace"]["points"]) == 1 + 2 + 2
+    assert balance["trace"]["points"][0]["values"] == balance["none"]["points"][0]["values"]
+    assert (tmp_path / "results" / "smoke" / "balance.png").stat().st_size > 0
+    variant = results["variants"]["balanced"]["task_arithmetic/data_free"]  # paired against the main search
+    assert variant["variant"]["task_balance"] == "trace" and variant["trials"] == 2
+    assert variant["delta_main"][1] <= variant["delta_main"][0] <= variant["delta_main"][2]
+    recipe = yaml.safe_load((Path(variant["seeds"][0]["search"]) / "best.yml").read_text())
+    assert recipe["parameters"]["task_balance"] == "trace"
     text = (tmp_path / "results" / "smoke" / "results.md").read_text()
     assert "Table 1 in kind" in text and "Table 3 in kind" in text and "Table 5 in kind" in text
     assert "Why BMM moves or keeps its anchor" in text and "mean cos_F" in text
+    assert "## Variants" in text and "## Task balance" in text
     assert (tmp_path / "results" / "smoke" / "per_anchor.png").stat().st_size > 0
 
     again = run_cli(phase2, tmp_path)  # every cell is cached: nothing is merged or searched again

@@ -1,42 +1,20 @@
 """The card's "Search" section: how a search chose λ and s, and the scores it measured.
 
-It reads a search's summary (:class:`mergekit_bmm.search.summary.SearchSummary`) through
-:class:`SearchFacts`, the fields it needs, so cards do not import the search that writes them.
+It reads a search's summary (:class:`mergekit_bmm.search.summary.SearchSummary`) without
+importing the search that writes it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from mergekit_bmm.cards.markdown import decimal_places, table
 from mergekit_bmm.cards.recipe_view import format_value
 
-
-class SearchFacts(Protocol):
-    """What the card reads of a search's summary."""
-
-    strategy: str
-    budget: int
-    n_initial: int
-    seed: int
-    blocks: list[list[int]]
-    groups: list[str]
-    completed_trials: int
-    failed_trials: int
-    best_trial: int | None
-    best_score: float | None
-    best_per_task: dict[str, float | None]
-    anchor_score: float | None
-    anchor_per_task: dict[str, float | None] | None
-    evaluator: dict[str, Any]
-    box_changes: list[dict[str, Any]]
-    fidelity: dict[str, Any] | None
-    convergence_plot: str | None
-    lambda_plot: str | None
-    best_recipe: str | None
-
-    def anchor_verdict(self) -> str | None: ...
+# A search's summary (:class:`mergekit_bmm.search.summary.SearchSummary`, read with
+# ``read_summary``): cards sit below the search in the pipeline, so they read it without importing it.
+SearchFacts = Any
 
 
 def search_section(summary: SearchFacts, plots: Mapping[str, str]) -> list[str]:

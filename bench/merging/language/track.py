@@ -118,6 +118,7 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
             config, cache_dir, model_dir, "task_arithmetic", anchor_dir, expert_dirs, tasks, include, timings
         )
         models["bmm over task_arithmetic"] = out["bmm"]["model_id"]
+        models["bmm defaults over task_arithmetic"] = out["bmm"]["defaults"]["model_id"]
     out["anchors"] = {}
     for anchor_spec in spec.anchors:
         anchor = _tuned_anchor(
@@ -127,6 +128,7 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
         models[anchor_spec.name] = anchor["model_id"]
         if "bmm" in anchor:
             models[f"bmm over {anchor_spec.name}"] = anchor["bmm"]["model_id"]
+            models[f"bmm defaults over {anchor_spec.name}"] = anchor["bmm"]["defaults"]["model_id"]
     out["intervals"] = _intervals(models, expert_ids, tasks, cache, limit)
     out["timings"] = timings
     write_json(
@@ -237,6 +239,10 @@ def _bmm_over_anchor(
     timings[f"{prefix}_merge_seconds"] = outcome["times"]["merge"]
     timings[f"{prefix}_evaluate_seconds"] = outcome["times"]["evaluate"]
     timings[f"{prefix}_surrogate_seconds"] = outcome["times"]["surrogate"]
+    # BMM at its defaults: the search's recipe with no λ or s, one merge and no trials
+    work = cache_dir / "language" / "merges" / "work"
+    defaults = _merge_and_score(template, jobs, include, cache, batch, limit, work, {})
+    shutil.rmtree(work, ignore_errors=True)
     return {
         "anchor": anchor,
         "model_id": model_id,
@@ -246,6 +252,7 @@ def _bmm_over_anchor(
         "search_validation": outcome["best_validation"],
         "scores": summarize(scores),
         "search": str(folder),
+        "defaults": {"model_id": recipe_key(template), "scores": summarize(defaults)},
     }
 
 
@@ -259,6 +266,11 @@ def _intervals(models: dict[str, str], expert_ids: dict[str, str], tasks, cache,
     }
     pairs = [("experts", "pretrained"), ("experts", "task_arithmetic")]
     pairs += [(name, name.removeprefix("bmm over ")) for name in models if name.startswith("bmm over ")]
+    pairs += [
+        (name, name.removeprefix("bmm defaults over "))
+        for name in models
+        if name.startswith("bmm defaults over ")
+    ]
     out = {}
     for first, second in pairs:
         if first in documents and second in documents:
