@@ -120,3 +120,13 @@ def test_the_old_import_path_of_the_merge_math_still_works_and_says_where_it_mov
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "mergekit_bmm.core.tsv"
     assert "moved to mergekit_bmm.core" in result.stderr
+
+
+def test_the_equation_builders_still_import_from_the_closed_form_and_say_where_they_moved():
+    code = (
+        "import warnings; warnings.simplefilter('always'); "
+        "from mergekit_bmm.core import closed_form; print(closed_form.data_free_equations.__module__)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "mergekit_bmm.core.normal_equations"
+    assert "moved to mergekit_bmm.core.normal_equations.data_free_equations" in result.stderr

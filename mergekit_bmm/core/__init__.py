@@ -1,7 +1,8 @@
 """The mathematics of every merge, in pure torch (no mergekit import).
 
-BMM's closed form (:mod:`~mergekit_bmm.core.closed_form`, with task balance and the tensor
-naming of :mod:`~mergekit_bmm.core.module_map`) and the other merges, each a function of one
+BMM's normal equations (:mod:`~mergekit_bmm.core.normal_equations`, with task balance) and
+their solve (:mod:`~mergekit_bmm.core.closed_form`), the tensor naming of
+:mod:`~mergekit_bmm.core.module_map`, and the other merges, each a function of one
 weight's task vectors ``τ_t = W_t − W_pre`` as ``(out, in)`` matrices returning the merged
 task vector (without the output scale ``α``, which the mergekit methods in
 :mod:`mergekit_bmm.merge_methods` apply); computed in the inputs' dtype promoted to at least

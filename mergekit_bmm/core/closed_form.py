@@ -340,3 +340,22 @@ def merge_matrix(
 ) -> torch.Tensor:
     """The merged task vector ``U`` for a dimensionless (or absolute) λ."""
     return solve(equations, anchor, effective_ridge(lam, equations, lambda_mode))
+
+
+_MOVED = ("data_free_equations", "activation_equations", "mix_equations")
+
+
+def __getattr__(name: str):
+    """The equation builders moved to :mod:`mergekit_bmm.core.normal_equations`; the old names still work."""
+    if name in _MOVED:
+        import warnings
+
+        from mergekit_bmm.core import normal_equations
+
+        warnings.warn(
+            f"mergekit_bmm.core.closed_form.{name} moved to mergekit_bmm.core.normal_equations.{name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(normal_equations, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
