@@ -25,9 +25,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import reset_peak_rss, status_mib  # noqa: E402
+from bench.common import reset_peak_rss, status_mib
 
 BASELINE = "task_arithmetic"
 

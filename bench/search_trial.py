@@ -38,10 +38,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # cost nothing measurable elsewhere. Set OMP_WAIT_POLICY=ACTIVE to see the default.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
-from mergekit.merge_methods.base import TensorGroup  # noqa: E402
+import torch
+from mergekit.merge_methods.base import TensorGroup
 
-from bench.common import (  # noqa: E402
+from bench.common import (
     PeakSampler,
     ensure_llama_family,
     gemm_floor,

@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench.common import status_mib  # noqa: E402
+from bench.common import status_mib
 
 
 def _peak_mb() -> float:

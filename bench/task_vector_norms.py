@@ -18,9 +18,9 @@ import json
 import math
 from pathlib import Path
 
-from mergekit_bmm.core.module_map import GROUP_NAMES, classify  # noqa: E402
-from mergekit_bmm.io.checkpoint import iter_tensors, load_state_dict  # noqa: E402
-from mergekit_bmm.io.model_folder import model_type_of  # noqa: E402
+from mergekit_bmm.core.module_map import GROUP_NAMES, classify
+from mergekit_bmm.io.checkpoint import iter_tensors, load_state_dict
+from mergekit_bmm.io.model_folder import model_type_of
 
 
 def squared_norms(base: dict, expert: Path, model_type: str | None) -> dict[str, float]:

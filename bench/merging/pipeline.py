@@ -33,7 +33,7 @@ from bench.merging.merging import recipe_key, run_mergekit
 from bench.merging.scoring import ScoredTask, mean, score_model
 from bench.merging.searches import bmm_template, collect_stats, run_search, search_config
 from bench.merging.stage_clock import StageClock
-from bench.merging.stages import STAGES  # noqa: E402
+from bench.merging.stages import STAGES
 from bench.merging.tasks import build_task_data
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.search.config import default_box, recipe_gram
