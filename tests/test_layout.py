@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -112,21 +114,23 @@ def test_the_search_reads_as_a_short_list_of_modules_each_saying_its_job():
         assert docstring and len(docstring.splitlines()[0]) <= 110, path.name
 
 
-def test_the_old_import_path_of_the_merge_math_still_works_and_says_where_it_moved():
-    code = (
-        "import warnings; warnings.simplefilter('always'); "
-        "from mergekit_bmm.anchors import tsv_merge; print(tsv_merge.__module__)"
-    )
+@pytest.mark.parametrize(
+    ("old_import", "new_module", "warning"),
+    [
+        (
+            "from mergekit_bmm.anchors import tsv_merge as f",
+            "mergekit_bmm.core.tsv",
+            "moved to mergekit_bmm.core",
+        ),
+        (
+            "from mergekit_bmm.core import closed_form; f = closed_form.data_free_equations",
+            "mergekit_bmm.core.normal_equations",
+            "moved to mergekit_bmm.core.normal_equations.data_free_equations",
+        ),
+    ],
+)
+def test_an_old_import_path_still_works_and_says_where_it_moved(old_import, new_module, warning):
+    code = f"import warnings; warnings.simplefilter('always'); {old_import}; print(f.__module__)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.stdout.strip() == "mergekit_bmm.core.tsv"
-    assert "moved to mergekit_bmm.core" in result.stderr
-
-
-def test_the_equation_builders_still_import_from_the_closed_form_and_say_where_they_moved():
-    code = (
-        "import warnings; warnings.simplefilter('always'); "
-        "from mergekit_bmm.core import closed_form; print(closed_form.data_free_equations.__module__)"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.stdout.strip() == "mergekit_bmm.core.normal_equations"
-    assert "moved to mergekit_bmm.core.normal_equations.data_free_equations" in result.stderr
+    assert result.stdout.strip() == new_module
+    assert warning in result.stderr
