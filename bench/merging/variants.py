@@ -14,7 +14,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from bench.merging import report
 from bench.merging.config import RunConfig, VariantSpec
 from bench.merging.scoring import mean
 
@@ -84,7 +83,14 @@ def variant_intervals(
         against = row["variant"].get("against")
         if against is None:
             other = merged.get((row["anchor"], row["setting"]))
-            other_row = report.find_row(results, row["anchor"], row["setting"]) or {}
+            other_row = next(
+                (
+                    r
+                    for r in results["rows"]
+                    if (r["anchor"], r["setting"]) == (row["anchor"], row["setting"])
+                ),
+                {},
+            )
         else:
             other = expected.get((against, cell))
             other_row = results["variants"].get(against, {}).get(cell, {})
