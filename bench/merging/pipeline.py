@@ -31,7 +31,7 @@ from bench.merging.finetune import build_expert
 from bench.merging.heads import build_head
 from bench.merging.merging import recipe_key, run_mergekit
 from bench.merging.scoring import ScoredTask, mean, score_model
-from bench.merging.searches import bmm_template, collect_stats, run_search, search_config
+from bench.merging.searches import bmm_template, collect_stats, run_search, search_config, seed_record
 from bench.merging.stage_clock import StageClock
 from bench.merging.stages import STAGES
 from bench.merging.tasks import build_task_data
@@ -542,20 +542,7 @@ def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: s
     for anchor, setting in tqdm(cells, desc="bmm searches", leave=False):
         seeds = config.search.anchor_seeds.get(anchor, config.search.seeds)
         outcomes = [_one_search(config, cache_dir, art, anchor, setting, "bo", seed) for seed in seeds]
-        seeds = [
-            {
-                "seed": outcome["seed"],
-                "model_id": outcome["model_id"],
-                "avg": round(mean([outcome["scores"][(t, "test")] for t in art.tasks]), 4),
-                "validation_avg": round(mean([outcome["scores"][(t, "validation")] for t in art.tasks]), 4),
-                "per_task": {t: round(outcome["scores"][(t, "test")], 4) for t in art.tasks},
-                "best_values": outcome["best_values"],
-                "search_validation": outcome["best_validation"],
-                "box_changes": outcome["box_changes"],
-                "search": str(outcome["folder"]),
-            }
-            for outcome in outcomes
-        ]
+        seeds = [seed_record(outcome, list(art.tasks)) for outcome in outcomes]
         scores = {
             (t, split): mean([outcome["scores"][(t, split)] for outcome in outcomes])
             for t in art.tasks

@@ -23,6 +23,7 @@ import yaml
 from bench.merging import device
 from bench.merging.cache import read_json, stable_key, write_json
 from bench.merging.config import SearchSpec, StatsSpec
+from bench.merging.scoring import mean
 from mergekit_bmm.errors import ConfigError
 
 SETTING_GRAM = {"data_free": "data_free", "data_assisted": "activations"}
@@ -201,4 +202,20 @@ def read_search(folder: Path) -> dict[str, Any]:
         "curve": [t.get("score") for t in trials],
         "box_changes": summary.get("box_changes") or [],
         "box": summary.get("box") or {},
+    }
+
+
+def seed_record(outcome: dict[str, Any], tasks: list[str]) -> dict[str, Any]:
+    """One search's best model as a results row keeps it: its id, test and validation averages, λ/s."""
+    test = {t: outcome["scores"][(t, "test")] for t in tasks}
+    return {
+        "seed": outcome["seed"],
+        "model_id": outcome["model_id"],
+        "avg": round(mean(list(test.values())), 4),
+        "validation_avg": round(mean([outcome["scores"][(t, "validation")] for t in tasks]), 4),
+        "per_task": {t: round(value, 4) for t, value in test.items()},
+        "best_values": outcome["best_values"],
+        "search_validation": outcome["best_validation"],
+        "box_changes": outcome["box_changes"],
+        "search": str(outcome["folder"]),
     }

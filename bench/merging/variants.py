@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from bench.merging.config import RunConfig, VariantSpec
 from bench.merging.scoring import mean
+from bench.merging.searches import seed_record
 
 
 def run_variants(
@@ -39,18 +40,7 @@ def run_variants(
 def _row(
     variant: VariantSpec, anchor: str, setting: str, outcomes: list[dict[str, Any]], art: Any
 ) -> dict[str, Any]:
-    tasks = list(art.tasks)
-    seeds = [
-        {
-            "seed": outcome["seed"],
-            "model_id": outcome["model_id"],
-            "avg": round(mean([outcome["scores"][(t, "test")] for t in tasks]), 4),
-            "validation_avg": round(mean([outcome["scores"][(t, "validation")] for t in tasks]), 4),
-            "best_values": outcome["best_values"],
-            "search": str(outcome["folder"]),
-        }
-        for outcome in outcomes
-    ]
+    seeds = [seed_record(outcome, list(art.tasks)) for outcome in outcomes]
     return {
         "variant": variant.model_dump(exclude={"anchors", "settings", "seeds"}),
         "anchor": anchor,
