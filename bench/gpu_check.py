@@ -95,6 +95,15 @@ def _updates(out: Path, base: Path) -> dict[str, torch.Tensor]:
     }
 
 
+def _merge_here(spec: dict, out: Path, device: str) -> None:
+    """One merge in this process: accuracy measures no memory, so it pays no child's start-up."""
+    from mergekit_bmm.plugin.run import merge_options, merge_recipe_text
+    from mergekit_bmm.recipes.parse import yaml_text
+
+    options = merge_options(None, device=device, quiet=True, write_model_card=False, copy_tokenizer=False)
+    merge_recipe_text(yaml_text(spec), str(out), options)
+
+
 def accuracy(models: Path, scratch: Path, device: str, size: str) -> list[dict]:
     rows = []
     for label, shape in (("tiny", SHAPES[size]["tiny"]), ("SmolLM2-135M shape", SHAPES[size]["smollm2"])):
@@ -112,7 +121,7 @@ def accuracy(models: Path, scratch: Path, device: str, size: str) -> list[dict]:
             outs = {}
             for name, run_recipe, run_device in (("device", spec, device), ("reference", reference, "cpu")):
                 out = scratch / f"accuracy-{label.replace(' ', '_')}-{gram}-{name}"
-                run_child({"recipe": run_recipe, "out": str(out), "device": run_device})
+                _merge_here(run_recipe, out, run_device)
                 outs[name] = _updates(out, Path(fam["base"]))
             errors = [
                 float(
