@@ -87,7 +87,7 @@ def sweep_setting(
                 points.append((group, value, {**reference, f"block0.{group}": value}))
     for value in spec.scales:
         points.append(("scale", value, {**reference, "block0.scale": value}))
-    finished = _finished_points(done)
+    finished = finished_points(done)
     rows = []
     for along, value, values in tqdm(points, desc=progress, leave=False):
         if (along, value) in finished:
@@ -113,7 +113,7 @@ def sweep_setting(
     return {"reference": reference, "points": rows}
 
 
-def _finished_points(done: Path | None) -> dict[tuple[str, Any], dict[str, Any]]:
+def finished_points(done: Path | None) -> dict[tuple[str, Any], dict[str, Any]]:
     """Points an interrupted sweep already scored (a torn last line is ignored)."""
     if done is None or not done.is_file():
         return {}

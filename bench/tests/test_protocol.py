@@ -157,15 +157,15 @@ def test_zero_shot_run_stops_experts_early_and_reports_range(tmp_path):
 
 def test_an_interrupted_sweep_keeps_its_scored_points(tmp_path):
     """Each scored sweep point is one JSON line; a torn last line (a kill mid-write) is ignored."""
-    from bench.merging.sweeps import _finished_points
+    from bench.merging.sweeps import finished_points
 
     done = tmp_path / "sweep.points.jsonl"
     rows = [{"along": "reference", "value": None, "validation": 0.7}, {"along": "mlp_in", "value": 0.1}]
     done.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"along": "mlp_in", "val')
-    finished = _finished_points(done)
+    finished = finished_points(done)
     assert set(finished) == {("reference", None), ("mlp_in", 0.1)}
     assert finished[("reference", None)]["validation"] == 0.7
-    assert _finished_points(tmp_path / "missing.jsonl") == {}
+    assert finished_points(tmp_path / "missing.jsonl") == {}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
