@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.merging.cache import write_json
+from bench.merging.evidence import DEFAULTS_BAR
 from mergekit_bmm.core.module_map import GROUP_NAMES
 
 SPLITS = ("train", "validation", "test")
@@ -122,6 +123,20 @@ def dynamic_range(results: dict[str, Any]) -> dict[str, float] | None:
     return out
 
 
+def range_share(results: dict[str, Any], avg: float | None) -> float | None:
+    """Where a test average lands between Pretrained (0) and the experts (1): how the paper's tables
+    read across benchmarks, whatever the anchor."""
+    span = dynamic_range(results)
+    if avg is None or not span or "pretrained" not in span:
+        return None
+    width = span["indiv"] - span["pretrained"]
+    return (avg - span["pretrained"]) / width if abs(width) > 1e-9 else None
+
+
+def _share(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.0f}%"
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The per-task test table (accuracy, %), with the validation average alongside."""
     tasks = results["tasks"]
@@ -168,6 +183,7 @@ ANCHOR_LABELS = {
     "tsv": "TSV-M",
     "wudi": "WUDI",
     "iso_cts": "ISO-CTS",
+    "ace": "ACE",
 }
 SETTING_LABELS = {"anchor": "", "data_free": " + BMM (data-free)", "data_assisted": " + BMM (data-assisted)"}
 
@@ -187,15 +203,15 @@ def _ci(row_or_values) -> str:
 
 def table1(results: dict[str, Any]) -> str:
     """Paper Table 1 in kind: each anchor, then BMM over it: test accuracy with its 95 % bootstrap
-    interval, the paired Δ against that anchor with its interval, the share of the anchor-to-experts
-    gap closed, and the spread over search seeds."""
+    interval, the paired Δ against that anchor with its interval, where each model lands in the
+    pretrained-to-experts range, and the spread over search seeds."""
     tasks = results["tasks"]
     header = [
         "method",
         *tasks,
         "avg [95% CI]",
         "Δ vs anchor [95% CI]",
-        "gap closed",
+        "share of range",
         "seeds (sd)",
         "K",
         "tuned on validation",
@@ -213,7 +229,8 @@ def table1(results: dict[str, Any]) -> str:
             if row is None or row["avg"] is None:
                 continue
             name = ANCHOR_LABELS.get(anchor, anchor) + SETTING_LABELS[setting]
-            change = gap = spread = ""
+            change = spread = ""
+            share = _share(range_share(results, row["avg"]))
             if setting != "anchor":
                 name = f"**{name}**"
                 delta = row.get("delta")
@@ -221,8 +238,6 @@ def table1(results: dict[str, Any]) -> str:
                     change = f"{100 * delta[0]:+.1f}{_ci(delta)}"
                 elif base and base["avg"] is not None:
                     change = f"{100 * (row['avg'] - base['avg']):+.1f}"
-                if row.get("gap_closed") is not None:
-                    gap = f"{100 * row['gap_closed']:.0f}%"
                 seeds = row.get("seeds") or []
                 if len(seeds) > 1:
                     spread = f"{len(seeds)} seeds, ±{100 * row['seed_std']:.1f}"
@@ -230,22 +245,25 @@ def table1(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {name} | "
                 + " | ".join(cells)
-                + f" | {pct(row['avg'])}{_ci(row)} | {change} | {gap} | {spread} | {row.get('budget') or ''} "
-                f"| {_values(row)} |"
+                + f" | {pct(row['avg'])}{_ci(row)} | {change} | {share} | {spread} "
+                f"| {row.get('budget') or ''} | {_values(row)} |"
             )
     if len(results["indiv"]) == len(tasks):
         cells = [pct(results["indiv"][task]) for task in tasks]
         avg = sum(results["indiv"].values()) / len(tasks)
         ci = _ci(results.get("indiv_ci"))
         lines.append(
-            "| Indiv. (each expert on its task) | " + " | ".join(cells) + f" | {pct(avg)}{ci} | | | | | |"
+            "| Indiv. (each expert on its task) | "
+            + " | ".join(cells)
+            + f" | {pct(avg)}{ci} | | 100% | | | |"
         )
     note = (
         "\n\nTest accuracy (%) on every test example of each task; avg = mean over tasks. Intervals: 95 % "
         "bootstrap over test examples (stratified by task, 2,000 replicates); Δ is paired (the same examples "
-        "for both models) and, for BMM, uses each example's share of search seeds that got it right. Gap "
-        "closed = Δ / (Indiv. − anchor). BMM cells show the mean over seeds; `tuned on validation` shows "
-        "the first seed's values."
+        "for both models) and, for BMM, uses each example's share of search seeds that got it right. Share "
+        "of range = (avg − Pretrained) / (Indiv. − Pretrained): where a model lands between the pretrained "
+        "model and the experts, as the paper's results read across benchmarks. BMM cells show the mean over "
+        "seeds; `tuned on validation` shows the first seed's values."
     )
     return "\n".join(lines) + note
 
@@ -283,14 +301,18 @@ def range_markdown(results: dict[str, Any]) -> str:
 
 
 def summary_markdown(results: dict[str, Any]) -> str:
-    """Per anchor and mode: anchor, BMM, Δ with its interval, Δ against the best anchor, gap closed."""
+    """Per anchor and mode: anchor, BMM, Δ with its interval, Δ against the best anchor, where both land
+    in the pretrained-to-experts range, and BMM at its defaults (one merge) against the search."""
     summary = results.get("summary")
     if not summary:
         return ""
     best = results.get("best_anchor")
     best_label = ANCHOR_LABELS.get(best, best) if best else "–"
     versus = f"Δ vs best anchor ({best_label})"
-    header = ["anchor", "mode", "anchor", "BMM", "Δ [95% CI]", versus, "gap closed", "BMM at defaults (Δ)"]
+    header = [
+        "anchor", "mode", "anchor", "BMM", "Δ [95% CI]", versus, "share of range: anchor → BMM",
+        "BMM at defaults (Δ; share of the search's Δ)",
+    ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in summary:
         versus_best = (
@@ -299,18 +321,12 @@ def summary_markdown(results: dict[str, Any]) -> str:
             if "delta_best_anchor" in cell
             else "–"
         )
-        gap = "–" if cell.get("gap_closed") is None else f"{100 * cell['gap_closed']:.0f}%"
-        defaults = (
-            f"{100 * cell['defaults_score']:.1f} ({100 * cell['defaults_delta']:+.1f} "
-            f"[{100 * cell['defaults_delta_low']:.1f}, {100 * cell['defaults_delta_high']:.1f}])"
-            if "defaults_score" in cell
-            else "–"
-        )
+        lands = " → ".join(_share(range_share(results, cell[key])) for key in ("anchor_score", "bmm_score"))
         lines.append(
             f"| {ANCHOR_LABELS.get(cell['anchor'], cell['anchor'])} | {cell['mode']} | "
             f"{100 * cell['anchor_score']:.1f} | {100 * cell['bmm_score']:.1f} | "
             f"{100 * cell['delta']:+.1f} [{100 * cell['delta_low']:.1f}, {100 * cell['delta_high']:.1f}] | "
-            f"{versus_best} | {gap} | {defaults} |"
+            f"{versus_best} | {lands} | {_defaults_cell(cell)} |"
         )
     counts = results.get("verdict") or {}
     tally = "; ".join(
@@ -318,8 +334,30 @@ def summary_markdown(results: dict[str, Any]) -> str:
         f"{c['interval_above_zero']}"
         for mode, c in counts.items()
     )
+    defaults = "; ".join(
+        f"{mode}: {c['defaults_reach_80']} of the {c['search_gained']} anchors where the search gained"
+        for mode, c in counts.items()
+        if "search_gained" in c
+    )
     best_note = "the best anchor is the one with the best validation average"
-    return "\n".join(lines) + f"\n\n{tally}. ({best_note}.)"
+    text = "\n".join(lines) + f"\n\n{tally}. ({best_note}.)"
+    if defaults:
+        text += (
+            f"\n\nBMM at its defaults (one merge, no trials) reaching {100 * DEFAULTS_BAR:.0f} % of the "
+            f"searched Δ on test — {defaults}."
+        )
+    return text
+
+
+def _defaults_cell(cell: dict[str, Any]) -> str:
+    if "defaults_score" not in cell:
+        return "–"
+    share = cell.get("defaults_share")
+    of_search = "search gained nothing" if share is None else f"{100 * share:.0f}%"
+    return (
+        f"{100 * cell['defaults_score']:.1f} ({100 * cell['defaults_delta']:+.1f} "
+        f"[{100 * cell['defaults_delta_low']:.1f}, {100 * cell['defaults_delta_high']:.1f}]; {of_search})"
+    )
 
 
 def diagnostics_markdown(results: dict[str, Any]) -> str:

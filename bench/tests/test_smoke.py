@@ -328,6 +328,8 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
         assert cell["best_anchor"] in ("task_arithmetic", "tsv") and "delta_best_anchor" in cell
         assert cell["defaults_delta_low"] <= cell["defaults_delta"] <= cell["defaults_delta_high"]
     assert results["verdict"]["data_free"]["anchors"] == 1
+    gained = results["verdict"]["data_free"]["search_gained"]  # defaults judged only where a search gained
+    assert 0 <= results["verdict"]["data_free"]["defaults_reach_80"] <= gained <= 1
     for setting in ("data_free", "data_assisted"):  # how far BMM went from its anchor, per group
         moved = cells[("task_arithmetic", setting)]["moved"]
         assert set(moved) == {"attn_in", "attn_out", "mlp_in", "mlp_out"}
@@ -355,6 +357,7 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
     assert "Table 1 in kind" in text and "Table 3 in kind" in text and "Table 5 in kind" in text
     assert "Why BMM moves or keeps its anchor" in text and "mean cos_F" in text
     assert "## Variants" in text and "## Task balance" in text
+    assert "share of range: anchor → BMM" in text and "| 100% |" in text  # where models land, read as the paper
     assert (tmp_path / "results" / "smoke" / "per_anchor.png").stat().st_size > 0
 
     again = run_cli(phase2, tmp_path)  # every cell is cached: nothing is merged or searched again
