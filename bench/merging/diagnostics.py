@@ -7,6 +7,8 @@ why:
 - **moved**: per module group, ``‖W_bmm − W_anchor‖ / ‖W_anchor − W_pre‖`` over the group's
   body weights (the distance BMM went from its anchor, against the anchor's own task vector);
   0 means the search kept the anchor.
+- **task norms**: per expert, ``‖U_t‖_F`` and its share of ``Σ_t tr(U_tᵀU_t)`` — the weight
+  the data-free Gram gives its task (``task_balance:`` evens it out).
 - **alignment**: per expert, ``cos_F(G_t, U_tᵀU_t)`` between its activation Gram and the Gram
   of its task vector (Theorem 1, ``mergekit-bmm-align``): data-free BMM stands on it.
 """
@@ -80,6 +82,32 @@ def expert_alignment(stats: Path, base: Path, experts: list[Path], cache_dir: Pa
             "groups": {group: round(value, 4) for group, value in summary.by_group.items()},
         }
         for summary in summarize(rows)
+    }
+    write_json(path, out)
+    return out
+
+
+def task_update_norms(base: Path, experts: dict[str, Path], cache_dir: Path) -> dict[str, Any]:
+    """Per task, ``‖U_t‖_F`` over the solved weights and per group, and its share of the data-free
+    Gram's trace; cached by the checkpoints' fingerprints."""
+    from bench.task_vector_norms import squared_norms
+
+    key = stable_key(
+        {"base": model_fingerprint(base), "experts": {t: model_fingerprint(e) for t, e in experts.items()}}
+    )
+    path = cache_dir / "task_norms" / f"{key}.json"
+    if path.is_file():
+        return read_json(path)
+    pre, model_type = load_state_dict(base), model_type_of(base)
+    squares = {task: squared_norms(pre, expert, model_type) for task, expert in experts.items()}
+    total = sum(row["all"] for row in squares.values()) or 1.0
+    out = {
+        task: {
+            "norm": round(math.sqrt(row["all"]), 4),
+            "trace_share": round(row["all"] / total, 4),
+            "groups": {group: round(math.sqrt(value), 4) for group, value in row.items() if group != "all"},
+        }
+        for task, row in squares.items()
     }
     write_json(path, out)
     return out

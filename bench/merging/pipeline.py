@@ -25,7 +25,7 @@ from bench.merging import device, report
 from bench.merging.anchor_tuning import materialise, tune_anchor
 from bench.merging.cache import ScoreCache, read_json, stable_key, write_json
 from bench.merging.config import AnchorSpec, RunConfig, VariantSpec
-from bench.merging.diagnostics import cached_moved_from_anchor, expert_alignment
+from bench.merging.diagnostics import cached_moved_from_anchor, expert_alignment, task_update_norms
 from bench.merging.encoder import load_encoder, prepare_encoder
 from bench.merging.finetune import build_expert
 from bench.merging.heads import build_head
@@ -536,6 +536,10 @@ def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: s
     runtime = results.setdefault("bmm_runtime", {})
     if setting == "data_assisted":
         _stats(config, cache_dir, art, {"timings": {}})
+    if "task_norms" not in results:  # how much each task weighs in the data-free Gram
+        results["task_norms"] = task_update_norms(
+            art.encoder, {t: art.experts[t] for t in art.tasks}, cache_dir
+        )
     if art.stats is not None and "alignment" not in results:
         experts = [art.experts[task] for task in art.tasks]
         results["alignment"] = expert_alignment(art.stats, art.encoder, experts, cache_dir)

@@ -385,6 +385,9 @@ def diagnostics_markdown(results: dict[str, Any]) -> str:
             "‖W_BMM − W_anchor‖ / ‖W_anchor − W_pre‖ over the group's body weights (0: the search kept "
             "the anchor; BMM can only differ from an anchor it moved away from).\n\n" + "\n".join(lines)
         )
+    norms = task_norms_markdown(results)
+    if norms:
+        parts.append(norms)
     alignment = results.get("alignment")
     if alignment:
         groups = [g for g in GROUP_NAMES if any(g in task["groups"] for task in alignment.values())]
@@ -404,6 +407,46 @@ def diagnostics_markdown(results: dict[str, Any]) -> str:
             + "\n".join(lines)
         )
     return "\n\n".join(parts)
+
+
+def task_norms_markdown(results: dict[str, Any]) -> str:
+    """Each task's update size and weight in the data-free Gram, beside what data-free BMM did to the
+    task against Task Arithmetic and the best anchor: do the tasks the Gram weighs least lose?"""
+    norms = results.get("task_norms")
+    if not norms:
+        return ""
+    pairs = []
+    for anchor in dict.fromkeys(a for a in ("task_arithmetic", results.get("best_anchor")) if a):
+        theirs, ours = find_row(results, anchor), find_row(results, anchor, "data_free")
+        if theirs and ours and theirs["avg"] is not None and ours["avg"] is not None:
+            pairs.append((ANCHOR_LABELS.get(anchor, anchor), theirs, ours))
+    header = [
+        "task",
+        "‖U_t‖_F",
+        "share of Σ tr(U_tᵀU_t)",
+        *(f"{label} + BMM data-free − {label}" for label, _, _ in pairs),
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    order = [task for task in results.get("tasks", []) if task in norms] or list(norms)
+    for task in order:
+        changes = [
+            f"{100 * (ours['per_task'][task] - theirs['per_task'][task]):+.1f}"
+            if task in ours["per_task"] and task in theirs["per_task"]
+            else "–"
+            for _, theirs, ours in pairs
+        ]
+        lines.append(
+            f"| {task} | {norms[task]['norm']:.2f} | {100 * norms[task]['trace_share']:.0f}% | "
+            + " | ".join(changes)
+            + " |"
+        )
+    sizes = [figures["norm"] for figures in norms.values() if figures["norm"] > 0]
+    spread = f" (largest / smallest {max(sizes) / min(sizes):.1f}×)" if len(sizes) > 1 else ""
+    return (
+        f"How much each expert moved{spread}: the data-free Gram Σ U_tᵀU_t weighs a task by the size of its "
+        "update (`task_balance:` evens it out); beside it, test points data-free BMM gained or lost on the "
+        "task against its anchor.\n\n" + "\n".join(lines)
+    )
 
 
 def plot_expert_curves(results: dict[str, Any], path: Path) -> Path | None:

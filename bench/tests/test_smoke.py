@@ -334,6 +334,9 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
         moved = cells[("task_arithmetic", setting)]["moved"]
         assert set(moved) == {"attn_in", "attn_out", "mlp_in", "mlp_out"}
         assert all(value >= 0 for value in moved.values())
+    norms = results["task_norms"]  # each task's weight in the data-free Gram, beside what BMM did to it
+    assert set(norms) == {"mood", "topic"} and abs(sum(n["trace_share"] for n in norms.values()) - 1) < 1e-3
+    assert all(n["norm"] > 0 for n in norms.values())
     assert set(results["alignment"]) == {"mood", "topic"}  # cos_F of U_tᵀU_t against each Gram
     assert all(0 <= task["mean"] <= 1 for task in results["alignment"].values())
     assert set(results["range"]) >= {"experts_minus_pretrained", "experts_minus_task_arithmetic"}
@@ -357,7 +360,9 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
     assert "Table 1 in kind" in text and "Table 3 in kind" in text and "Table 5 in kind" in text
     assert "Why BMM moves or keeps its anchor" in text and "mean cos_F" in text
     assert "## Variants" in text and "## Task balance" in text
-    assert "share of range: anchor → BMM" in text and "| 100% |" in text  # where models land, read as the paper
+    assert (
+        "share of range: anchor → BMM" in text and "| 100% |" in text
+    )  # where models land, read as the paper
     assert (tmp_path / "results" / "smoke" / "per_anchor.png").stat().st_size > 0
 
     again = run_cli(phase2, tmp_path)  # every cell is cached: nothing is merged or searched again
