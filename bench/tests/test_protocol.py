@@ -95,9 +95,22 @@ def test_range_and_summary_are_paired_bootstrap_figures():
     assert cell["gap_closed"] == round(delta[0] / (interval(indiv)[0] - interval(ta)[0]), 4)
     assert cell["delta_best_anchor"] == round(paired_difference(bmm, ties)[0], 4)
     worse = summary_row("ties", "data_assisted", ta, ties, ties, indiv)
+    cell["defaults_share"] = 0.85  # BMM at its defaults got 85 % of what the search gained
     assert verdict([cell, worse]) == {
-        "data_free": {"anchors": 1, "above": 1, "interval_above_zero": 1},
-        "data_assisted": {"anchors": 1, "above": 0, "interval_above_zero": 0},
+        "data_free": {
+            "anchors": 1,
+            "above": 1,
+            "interval_above_zero": 1,
+            "search_gained": 1,
+            "defaults_reach_80": 1,
+        },
+        "data_assisted": {
+            "anchors": 1,
+            "above": 0,
+            "interval_above_zero": 0,
+            "search_gained": 0,
+            "defaults_reach_80": 0,
+        },
     }
 
 
