@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 import torch  # noqa: E402
 
 from bench.common import ensure_llama_family, gemm_floor, solved_shapes  # noqa: E402
-from bench.merge_speed import DEFAULT_CACHE, closed_form_floor, recipe, run_child  # noqa: E402
+from bench.merge_speed import DEFAULT_CACHE, closed_form_floor, merge_here, recipe, run_child  # noqa: E402
 from mergekit_bmm.io.atomic import atomic_write_text  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads
@@ -95,15 +95,6 @@ def _updates(out: Path, base: Path) -> dict[str, torch.Tensor]:
     }
 
 
-def _merge_here(spec: dict, out: Path, device: str) -> None:
-    """One merge in this process: accuracy measures no memory, so it pays no child's start-up."""
-    from mergekit_bmm.plugin.run import merge_options, merge_recipe_text
-    from mergekit_bmm.recipes.parse import yaml_text
-
-    options = merge_options(None, device=device, quiet=True, write_model_card=False, copy_tokenizer=False)
-    merge_recipe_text(yaml_text(spec), str(out), options)
-
-
 def accuracy(models: Path, scratch: Path, device: str, size: str) -> list[dict]:
     rows = []
     for label, shape in (("tiny", SHAPES[size]["tiny"]), ("SmolLM2-135M shape", SHAPES[size]["smollm2"])):
@@ -121,7 +112,7 @@ def accuracy(models: Path, scratch: Path, device: str, size: str) -> list[dict]:
             outs = {}
             for name, run_recipe, run_device in (("device", spec, device), ("reference", reference, "cpu")):
                 out = scratch / f"accuracy-{label.replace(' ', '_')}-{gram}-{name}"
-                _merge_here(run_recipe, out, run_device)
+                merge_here(run_recipe, str(out), run_device)  # no memory measured: no child start-up
                 outs[name] = _updates(out, Path(fam["base"]))
             errors = [
                 float(

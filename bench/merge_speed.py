@@ -88,24 +88,29 @@ def recipe(family: dict, method: str, anchor: str | None = None, **parameters) -
 
 
 # -- one merge per process ----------------------------------------------------------------
-def child(spec: dict) -> dict:
+def merge_here(recipe: dict, out: str, device: str, shard_bytes: int | None = None) -> None:
+    """One merge of ``recipe`` in this process, through mergekit with the plugin (no card, no tokenizer)."""
     from mergekit_bmm.plugin.run import merge_options, merge_recipe_text
     from mergekit_bmm.recipes.parse import yaml_text
 
-    if spec.get("threads"):
-        torch.set_num_threads(spec["threads"])
-    device = spec.get("device", "cpu")
     options = merge_options(
         None,
         device=device,
         quiet=True,
         write_model_card=False,
         copy_tokenizer=False,
-        out_shard_size=spec.get("shard_bytes"),
+        out_shard_size=shard_bytes,
     )
+    merge_recipe_text(yaml_text(recipe), out, options)
+
+
+def child(spec: dict) -> dict:
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    device = spec.get("device", "cpu")
     private = PeakSampler("RssAnon")
     started = time.perf_counter()
-    merge_recipe_text(yaml_text(spec["recipe"]), spec["out"], options)
+    merge_here(spec["recipe"], spec["out"], device, spec.get("shard_bytes"))
     seconds = time.perf_counter() - started
     result = {
         "seconds": seconds,
