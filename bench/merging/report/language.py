@@ -1,0 +1,66 @@
+"""The language track's table (lm-eval accuracy per task, validation / test)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _bmm_label(anchor: str, bmm: dict[str, Any]) -> str:
+    values = ", ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in (bmm["best_values"] or {}).items()
+    )
+    return f"{anchor} + BMM (data-free, K={bmm['budget']}; {values})"
+
+
+def language_markdown(language: dict[str, Any]) -> str:
+    """The language track's table: accuracy (%) per task, validation / test."""
+    tasks = language["tasks"]
+    header = ["model", *tasks, "avg (test)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def row(name: str, scores: dict[str, dict[str, float]]) -> str:
+        cells = [f"{100 * scores[t]['validation']:.1f} / {100 * scores[t]['test']:.1f}" for t in tasks]
+        avg = sum(scores[t]["test"] for t in tasks) / len(tasks)
+        return f"| {name} | " + " | ".join(cells) + f" | {100 * avg:.1f} |"
+
+    lines.append(row(f"pretrained ({language['model']})", language["pretrained"]))
+    if "task_arithmetic" in language:
+        ta = language["task_arithmetic"]
+        lines.append(row(f"task_arithmetic (weight {ta['weight']})", ta["scores"]))
+    if "bmm" in language:
+        lines.append(row(_bmm_label("task_arithmetic", language["bmm"]), language["bmm"]["scores"]))
+        if "defaults" in language["bmm"]:
+            lines.append(
+                row("BMM over task_arithmetic at its defaults", language["bmm"]["defaults"]["scores"])
+            )
+    for name, anchor in language.get("anchors", {}).items():
+        tuned = f"{anchor['parameter']} {anchor['value']}" if anchor.get("parameter") else "defaults"
+        lines.append(row(f"{name} ({tuned})", anchor["scores"]))
+        if "bmm" in anchor:
+            lines.append(row(_bmm_label(name, anchor["bmm"]), anchor["bmm"]["scores"]))
+            if "defaults" in anchor["bmm"]:
+                lines.append(row(f"BMM over {name} at its defaults", anchor["bmm"]["defaults"]["scores"]))
+    lines.append(row("Indiv. (each expert on its task)", language["indiv"]))
+    limit = language.get("eval_limit")
+    text = (
+        "Cells: validation / test accuracy (%), lm-eval `acc`"
+        + (f", the first {limit} documents of each split" if limit else "")
+        + ".\n\n"
+        + "\n".join(lines)
+    )
+    if "task_arithmetic" in language:
+        sweep = language["task_arithmetic"]["validation_sweep"]
+        text += "\n\nTask Arithmetic weight sweep (validation avg): " + ", ".join(
+            f"{w}: {100 * v:.1f}" for w, v in sweep.items()
+        )
+    if language.get("intervals"):
+        rows = ["| comparison (test) | Δ (points) | 95 % interval |", "|---|---|---|"]
+        for name, d in language["intervals"].items():
+            rows.append(
+                f"| {name} | {100 * d['delta']:+.1f} | [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] |"
+            )
+        text += (
+            "\n\nPaired bootstrap over the test documents (the same documents for both models; "
+            "experts: each on its own task).\n\n" + "\n".join(rows)
+        )
+    return text

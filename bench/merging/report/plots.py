@@ -1,0 +1,130 @@
+"""The report's pictures: per-task bars, one panel per anchor, the experts' held-out curves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.merging.report.cells import ANCHOR_LABELS
+from bench.merging.report.rows import find_row
+
+
+def plot_expert_curves(results: dict[str, Any], path: Path) -> Path | None:
+    """Each expert's held-out accuracy while it trains, the kept step marked: did it plateau?"""
+    experts = results.get("experts", {})
+    curves = {task: e["held_out_curve"] for task, e in experts.items() if e.get("held_out_curve")}
+    if not curves:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for task, curve in curves.items():
+        steps, scores = zip(*curve)
+        (line,) = ax.plot(steps, [100 * v for v in scores], marker=".", label=task)
+        kept = results["experts"][task].get("kept_step")
+        if kept in steps:
+            ax.scatter([kept], [100 * scores[steps.index(kept)]], s=60, color=line.get_color(), zorder=3)
+        head = results.get("heads", {}).get(task, {}).get("validation_accuracy")
+        if head is not None:
+            ax.axhline(100 * head, color=line.get_color(), linestyle=":", linewidth=0.8)
+    ax.set_xlabel("training step (batches of 32)")
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.set_title("Experts' held-out accuracy (dot: kept step; dotted: zero-shot head)", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_anchors(results: dict[str, Any], path: Path) -> Path | None:
+    """One panel per anchor: per-task test accuracy of the anchor and BMM over it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    tasks = results["tasks"]
+    anchors = [a for a in dict.fromkeys(r["anchor"] for r in results["rows"]) if find_row(results, a)]
+    if not anchors:
+        return None
+    columns = min(4, len(anchors))
+    rows_n = (len(anchors) + columns - 1) // columns
+    fig, axes = plt.subplots(rows_n, columns, figsize=(4.2 * columns, 3.4 * rows_n), squeeze=False)
+    x = np.arange(len(tasks))
+    colors = {"anchor": "#9e9e9e", "data_free": "#1f77b4", "data_assisted": "#d62728"}
+    for ax, anchor in zip(axes.flat, anchors):
+        settings = [s for s in ("anchor", "data_free", "data_assisted") if find_row(results, anchor, s)]
+        width = 0.8 / max(len(settings), 1)
+        for i, setting in enumerate(settings):
+            row = find_row(results, anchor, setting)
+            values = [row["per_task"].get(t, 0.0) for t in tasks]
+            label = {"anchor": "anchor", "data_free": "BMM data-free", "data_assisted": "BMM data-assisted"}
+            ax.bar(
+                x + (i - (len(settings) - 1) / 2) * width,
+                values,
+                width,
+                color=colors[setting],
+                label=f"{label[setting]} ({100 * row['avg']:.1f})"
+                if row["avg"] is not None
+                else label[setting],
+            )
+        if len(results["indiv"]) == len(tasks):
+            ax.scatter(
+                x,
+                [results["indiv"][t] for t in tasks],
+                marker="_",
+                s=200,
+                color="black",
+                label="expert",
+                zorder=3,
+            )
+        ax.set_title(ANCHOR_LABELS.get(anchor, anchor), fontsize=10)
+        ax.set_xticks(x, tasks, rotation=35, ha="right", fontsize=7)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=6, loc="lower left")
+    for ax in list(axes.flat)[len(anchors) :]:
+        ax.axis("off")
+    fig.suptitle(f"{results['encoder']}: per-task test accuracy, anchors and BMM ({results['name']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    """Grouped bars: test accuracy per task for each row and the experts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    tasks = results["tasks"]
+    series = [
+        (r["anchor"] if r["setting"] == "anchor" else f"{r['anchor']}+bmm/{r['setting']}", r["per_task"])
+        for r in results["rows"]
+        if len(r["per_task"]) == len(tasks)
+    ]
+    if len(results["indiv"]) == len(tasks):
+        series.append(("indiv. (experts)", results["indiv"]))
+    if not series:
+        return None
+    x = np.arange(len(tasks))
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(tasks)), 4))
+    for i, (label, values) in enumerate(series):
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, [values[t] for t in tasks], width, label=label)
+    ax.set_xticks(x, tasks, rotation=20, ha="right")
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{results['encoder']}: per-task test accuracy ({results['name']})")
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
