@@ -98,4 +98,30 @@ def verdict(summary: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
     return out
 
 
+def best_models(
+    candidates: Sequence[Mapping[str, Any]], best_anchor_flags: Flags | None
+) -> dict[str, dict[str, Any]]:
+    """Per mode, the BMM model a user would keep (best *validation* average over the main searches and
+    every variant) and its paired test Δ against the best anchor: does a search beat one merge?
+
+    Each candidate has ``label``, ``mode``, ``validation_avg``, ``avg`` and ``flags`` (per-example
+    test results, seed-averaged)."""
+    out: dict[str, dict[str, Any]] = {}
+    for mode in dict.fromkeys(c["mode"] for c in candidates):
+        scored = [c for c in candidates if c["mode"] == mode and c.get("validation_avg") is not None]
+        if not scored:
+            continue
+        pick = max(scored, key=lambda c: c["validation_avg"])
+        entry: dict[str, Any] = {
+            "label": pick["label"],
+            "validation_avg": pick["validation_avg"],
+            "avg": pick["avg"],
+            "candidates": len(scored),
+        }
+        if best_anchor_flags is not None:
+            entry["delta_best_anchor"] = _triple(paired_difference(pick["flags"], best_anchor_flags))
+        out[mode] = entry
+    return out
+
+
 DEFAULTS_BAR = 0.8  # defaults that reach this share of the searched Δ on test become bmm's documented ones

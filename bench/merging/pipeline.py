@@ -763,7 +763,7 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
     their anchor and against the best anchor (seed-averaged per example), the share of the
     anchor-to-experts gap closed; the run's range figures and per-cell summary
     (:mod:`bench.merging.evidence`)."""
-    from bench.merging.evidence import best_anchor, range_figures, summary_row, verdict
+    from bench.merging.evidence import best_anchor, best_models, range_figures, summary_row, verdict
     from bench.merging.intervals import interval, paired_difference, seed_mean
     from bench.merging.scoring import correct_flags
 
@@ -828,12 +828,33 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
                 cell["delta_best_anchor_high"],
             ]
     results["summary"] = summary
+    results["best_anchor"] = best
+    candidates = [
+        {
+            "label": f"{anchor} ({setting})",
+            "mode": setting,
+            "flags": expected,
+            **_row_scores(results, anchor, setting),
+        }
+        for (anchor, setting), expected in merged.items()
+    ]
     if results.get("variants"):
         from bench.merging.variants import variant_intervals
 
-        variant_intervals(results, flags, merged, anchors)
+        for (name, cell), expected in variant_intervals(results, flags, merged, anchors).items():
+            row = results["variants"][name][cell]
+            label = f"{row['anchor']} ({row['setting']}, {name})"
+            candidates.append(
+                {"label": label, "mode": row["setting"], "flags": expected}
+                | {key: row[key] for key in ("validation_avg", "avg")}
+            )
+    results["best_models"] = best_models(candidates, anchors.get(best))
     results["verdict"] = verdict(summary)
-    results["best_anchor"] = best
+
+
+def _row_scores(results: dict[str, Any], anchor: str, setting: str) -> dict[str, float | None]:
+    row = report.find_row(results, anchor, setting) or {}
+    return {"validation_avg": row.get("validation_avg"), "avg": row.get("avg")}
 
 
 def _std(values: list[float]) -> float:

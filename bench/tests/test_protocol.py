@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from bench.merging.config import FinetuneSpec
-from bench.merging.evidence import best_anchor, range_figures, summary_row, verdict
+from bench.merging.evidence import best_anchor, best_models, range_figures, summary_row, verdict
 from bench.merging.intervals import interval, paired_difference
 from bench.merging.training import batch_order, train_loop
 
@@ -111,6 +111,37 @@ def test_range_and_summary_are_paired_bootstrap_figures():
             "search_gained": 0,
             "defaults_reach_80": 0,
         },
+    }
+
+
+def test_the_model_to_keep_is_chosen_on_validation_and_paired_on_test():
+    rng = np.random.default_rng(1)
+    best_anchor_flags, strong, weak = (_flags(rng, p) for p in (0.75, 0.8, 0.9))
+    candidates = [  # the weak one scores better on test, but validation decides, as a user would
+        {"label": "ta (data_free)", "mode": "data_free", "validation_avg": 0.79, "avg": 0.8, "flags": strong},
+        {
+            "label": "ta (data_free, k100)",
+            "mode": "data_free",
+            "validation_avg": 0.7,
+            "avg": 0.9,
+            "flags": weak,
+        },
+        {
+            "label": "ta (data_assisted)",
+            "mode": "data_assisted",
+            "validation_avg": None,
+            "avg": 0.9,
+            "flags": weak,
+        },
+    ]
+    picks = best_models(candidates, best_anchor_flags)
+    assert set(picks) == {"data_free"}  # a mode with no validation score has nothing to keep
+    assert picks["data_free"]["label"] == "ta (data_free)" and picks["data_free"]["candidates"] == 2
+    estimate, low, high = paired_difference(strong, best_anchor_flags)
+    assert picks["data_free"]["delta_best_anchor"] == {
+        "estimate": round(estimate, 4),
+        "low": round(low, 4),
+        "high": round(high, 4),
     }
 
 

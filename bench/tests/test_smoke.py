@@ -354,12 +354,21 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
     variant = results["variants"]["balanced"]["task_arithmetic/data_free"]  # paired against the main search
     assert variant["variant"]["task_balance"] == "trace" and variant["trials"] == 2
     assert variant["delta_main"][1] <= variant["delta_main"][0] <= variant["delta_main"][2]
+    assert (
+        variant["delta_best_anchor"][1] <= variant["delta_best_anchor"][0] <= variant["delta_best_anchor"][2]
+    )
     recipe = yaml.safe_load((Path(variant["seeds"][0]["search"]) / "best.yml").read_text())
     assert recipe["parameters"]["task_balance"] == "trace"
+    picks = results["best_models"]  # per mode, the search a user keeps (validation), against the best anchor
+    assert picks["data_free"]["candidates"] == 2 and picks["data_assisted"]["candidates"] == 1
+    best_free = max([cells[("task_arithmetic", "data_free")], variant], key=lambda r: r["validation_avg"])
+    assert picks["data_free"]["avg"] == best_free["avg"]
+    figure = picks["data_free"]["delta_best_anchor"]
+    assert figure["low"] <= figure["estimate"] <= figure["high"]
     text = (tmp_path / "results" / "smoke" / "results.md").read_text()
     assert "Table 1 in kind" in text and "Table 3 in kind" in text and "Table 5 in kind" in text
     assert "Why BMM moves or keeps its anchor" in text and "mean cos_F" in text
-    assert "## Variants" in text and "## Task balance" in text
+    assert "## Variants" in text and "## Task balance" in text and "## The BMM model to keep" in text
     assert (
         "share of range: anchor → BMM" in text and "| 100% |" in text
     )  # where models land, read as the paper

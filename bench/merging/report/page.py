@@ -12,6 +12,7 @@ from bench.merging.report.plots import plot, plot_anchors, plot_expert_curves
 from bench.merging.report.rows import dynamic_range
 from bench.merging.report.tables import (
     ablation_table,
+    best_models_markdown,
     data_table,
     markdown,
     range_markdown,
@@ -31,6 +32,8 @@ def write(results: dict[str, Any], folder: Path) -> None:
     text += [stage_line(results), ""]
     if results.get("range"):
         text += ["## Range: can this run tell merge methods apart?", "", range_markdown(results), ""]
+    if results.get("best_models"):
+        text += ["## The BMM model to keep against the best anchor", "", best_models_markdown(results), ""]
     if results.get("summary"):
         text += ["## BMM against its anchor and the best anchor", "", summary_markdown(results), ""]
     if any(r["setting"] != "anchor" for r in results["rows"]):

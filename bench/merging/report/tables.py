@@ -199,6 +199,46 @@ def summary_markdown(results: dict[str, Any]) -> str:
     return text
 
 
+def best_models_markdown(results: dict[str, Any]) -> str:
+    """Per mode, the BMM model chosen on validation among every search (main and variants) against the
+    best anchor on test: the comparison a user makes before paying for a search."""
+    picks = results.get("best_models")
+    if not picks:
+        return ""
+    best = results.get("best_anchor")
+    anchor = find_row(results, best) if best else None
+    label = ANCHOR_LABELS.get(best, best) if best else "–"
+    versus = f"Δ vs {label} [95% CI]"
+    header = [
+        "mode",
+        "BMM model (chosen on validation)",
+        "of",
+        "validation",
+        "test",
+        "share of range",
+        versus,
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for mode, pick in picks.items():
+        delta = pick.get("delta_best_anchor")
+        lines.append(
+            f"| {mode} | {pick['label']} | {pick['candidates']} | {100 * pick['validation_avg']:.1f} | "
+            f"{100 * pick['avg']:.1f} | {share_text(range_share(results, pick['avg']))} | "
+            + (interval_text(delta, True) if delta else "–")
+            + " |"
+        )
+    if anchor and anchor["avg"] is not None:
+        lines.append(
+            f"| anchor | {label} (best anchor on validation) | | {100 * anchor['validation_avg']:.1f} | "
+            f"{100 * anchor['avg']:.1f} | {share_text(range_share(results, anchor['avg']))} | |"
+        )
+    return (
+        "\n".join(lines)
+        + "\n\n`of`: how many searches (main and variants) the pick was chosen from, by validation "
+        "average; Δ is paired over the same test examples."
+    )
+
+
 def _defaults_cell(cell: dict[str, Any]) -> str:
     if "defaults_score" not in cell:
         return "–"
