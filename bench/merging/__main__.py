@@ -105,7 +105,7 @@ def score(
             raise ConfigError(
                 f"no finished run {name!r} in {cache_dir}; run `python -m bench.merging run` first"
             )
-        from bench.merging.pipeline import limits
+        from bench.merging.config import limits
 
         scores = score_folder(
             read_json(manifest_path),

@@ -322,3 +322,8 @@ def load_config(path: str | Path) -> RunConfig:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "(top level)"
         raise ConfigError(f"benchmark config {path}: {where}: {first['msg']}") from error
+
+
+def limits(config: RunConfig) -> dict[str, int | None]:
+    """Fixed subset sizes per split (the same for every model, the search included)."""
+    return {"validation": config.evaluation.validation_limit, "test": config.evaluation.test_limit}

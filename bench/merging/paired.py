@@ -1,0 +1,119 @@
+"""Paired test figures for every row of a run: intervals, Δ against the anchor and the best anchor,
+BMM at its defaults, variants, and the model to keep (:mod:`bench.merging.evidence` does the figures;
+this module gathers each model's per-example test results from the score cache)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from bench.merging import report
+from bench.merging.cache import ScoreCache
+from bench.merging.config import RunConfig, limits
+
+
+def add_intervals(config: RunConfig, cache_dir: Path, art: Any, results: dict[str, Any]) -> None:
+    """95 % bootstrap intervals of every row's test average; for BMM rows the paired Δ against
+    their anchor and against the best anchor (seed-averaged per example), the share of the
+    anchor-to-experts gap closed; the run's range figures and per-cell summary
+    (:mod:`bench.merging.evidence`)."""
+    from bench.merging.evidence import best_anchor, best_models, range_figures, summary_row, verdict
+    from bench.merging.intervals import interval, paired_difference, seed_mean
+    from bench.merging.scoring import correct_flags
+
+    cache, tasks = ScoreCache(cache_dir), list(art.tasks.values())
+    test_limit = limits(config).get("test")
+
+    def flags(model_id: str) -> dict[str, list[bool]]:
+        return {
+            t.name: correct_flags(model_id, t, "test", config.max_length, cache, test_limit) for t in tasks
+        }
+
+    indiv = {
+        t.name: correct_flags(
+            art.records[f"expert/{t.name}"]["fingerprint"], t, "test", config.max_length, cache, test_limit
+        )
+        for t in tasks
+        if f"expert/{t.name}" in art.records
+    }
+    indiv_flags = indiv if len(indiv) == len(tasks) else None
+    if indiv_flags:
+        results["indiv_ci"] = [round(v, 4) for v in interval(indiv_flags)]
+    anchors: dict[str, dict[str, list[bool]]] = {}
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in results["rows"]:
+        try:
+            if row["setting"] == "anchor" and row.get("model_id"):
+                anchors[row["anchor"]] = flags(row["model_id"])
+                row["ci"] = [round(v, 4) for v in interval(anchors[row["anchor"]])]
+            elif row.get("seeds"):
+                expected = seed_mean([flags(seed["model_id"]) for seed in row["seeds"]])
+                merged[(row["anchor"], row["setting"])] = expected
+                row["ci"] = [round(v, 4) for v in interval(expected)]
+                row["seed_std"] = round(float(_std([seed["avg"] for seed in row["seeds"]])), 4)
+        except KeyError as missing:  # a row scored before per-example scores were kept
+            tqdm.write(f"intervals: {missing}")
+    if indiv_flags:
+        ta_flags = anchors.get("task_arithmetic")
+        results["range"] = range_figures(indiv_flags, anchors.get("pretrained"), ta_flags)
+    best = best_anchor(results["rows"])
+    summary = []
+    for (anchor, setting), expected in merged.items():
+        if anchor not in anchors:
+            continue
+        cell = summary_row(anchor, setting, expected, anchors[anchor], anchors.get(best), indiv_flags)
+        row = report.find_row(results, anchor, setting)
+        if (row.get("defaults") or {}).get("model_id"):  # BMM at its defaults: one merge, no search
+            estimate, low, high = paired_difference(flags(row["defaults"]["model_id"]), anchors[anchor])
+            cell.update(
+                defaults_score=row["defaults"]["avg"],
+                defaults_delta=round(estimate, 4),
+                defaults_delta_low=round(low, 4),
+                defaults_delta_high=round(high, 4),
+                defaults_share=round(estimate / cell["delta"], 4) if cell["delta"] > 0 else None,
+            )
+        summary.append({**cell, "best_anchor": best})
+        row["delta"] = [cell["delta"], cell["delta_low"], cell["delta_high"]]
+        row["gap_closed"] = cell.get("gap_closed")
+        if best is not None:
+            row["delta_best_anchor"] = [
+                cell["delta_best_anchor"],
+                cell["delta_best_anchor_low"],
+                cell["delta_best_anchor_high"],
+            ]
+    results["summary"] = summary
+    results["best_anchor"] = best
+    candidates = [
+        {
+            "label": f"{anchor} ({setting})",
+            "mode": setting,
+            "flags": expected,
+            **_row_scores(results, anchor, setting),
+        }
+        for (anchor, setting), expected in merged.items()
+    ]
+    if results.get("variants"):
+        from bench.merging.variants import variant_intervals
+
+        for (name, cell), expected in variant_intervals(results, flags, merged, anchors).items():
+            row = results["variants"][name][cell]
+            label = f"{row['anchor']} ({row['setting']}, {name})"
+            candidates.append(
+                {"label": label, "mode": row["setting"], "flags": expected}
+                | {key: row[key] for key in ("validation_avg", "avg")}
+            )
+    results["best_models"] = best_models(candidates, anchors.get(best))
+    results["verdict"] = verdict(summary)
+
+
+def _row_scores(results: dict[str, Any], anchor: str, setting: str) -> dict[str, float | None]:
+    row = report.find_row(results, anchor, setting) or {}
+    return {"validation_avg": row.get("validation_avg"), "avg": row.get("avg")}
+
+
+def _std(values: list[float]) -> float:
+    import statistics
+
+    return statistics.stdev(values) if len(values) > 1 else 0.0
