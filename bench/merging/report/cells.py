@@ -39,3 +39,8 @@ def values_text(row: dict[str, Any]) -> str:
 def interval_text(figure: dict[str, float], signed: bool = False) -> str:
     sign = "+" if signed else ""
     return f"{100 * figure['estimate']:{sign}.1f} [{100 * figure['low']:.1f}, {100 * figure['high']:.1f}]"
+
+
+def table_head(header: list[str]) -> list[str]:
+    """A Markdown table's header and rule, as the first lines of the table."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.merging.report.cells import ANCHOR_LABELS
+from bench.merging.report.cells import ANCHOR_LABELS, table_head
 from bench.merging.report.rows import find_row
 from mergekit_bmm.core.module_map import GROUP_NAMES
 
@@ -17,7 +17,7 @@ def diagnostics_markdown(results: dict[str, Any]) -> str:
     if moved_rows:
         groups = [g for g in GROUP_NAMES if any(g in r["moved"] for r in moved_rows)]
         header = ["anchor", "mode", "validation: anchor → BMM", *groups]
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines = table_head(header)
         for row in moved_rows:
             anchor = find_row(results, row["anchor"])
             before = (
@@ -41,7 +41,7 @@ def diagnostics_markdown(results: dict[str, Any]) -> str:
     if alignment:
         groups = [g for g in GROUP_NAMES if any(g in task["groups"] for task in alignment.values())]
         header = ["expert", "mean cos_F", "min", *groups]
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines = table_head(header)
         order = [task for task in results.get("tasks", []) if task in alignment] or list(alignment)
         for task in order:  # the run's task order (the cached file's may be sorted)
             figures = alignment[task]
@@ -75,7 +75,7 @@ def task_norms_markdown(results: dict[str, Any]) -> str:
         "share of Σ tr(U_tᵀU_t)",
         *(f"{label} + BMM data-free − {label}" for label, _, _ in pairs),
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = table_head(header)
     order = [task for task in results.get("tasks", []) if task in norms] or list(norms)
     for task in order:
         changes = [

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.merging.report.cells import table_head
+
 
 def _bmm_label(anchor: str, bmm: dict[str, Any]) -> str:
     values = ", ".join(
@@ -16,7 +18,7 @@ def language_markdown(language: dict[str, Any]) -> str:
     """The language track's table: accuracy (%) per task, validation / test."""
     tasks = language["tasks"]
     header = ["model", *tasks, "avg (test)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = table_head(header)
 
     def row(name: str, scores: dict[str, dict[str, float]]) -> str:
         cells = [f"{100 * scores[t]['validation']:.1f} / {100 * scores[t]['test']:.1f}" for t in tasks]

@@ -15,10 +15,7 @@ def plot_expert_curves(results: dict[str, Any], path: Path) -> Path | None:
     curves = {task: e["held_out_curve"] for task, e in experts.items() if e.get("held_out_curve")}
     if not curves:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for task, curve in curves.items():
@@ -34,19 +31,14 @@ def plot_expert_curves(results: dict[str, Any], path: Path) -> Path | None:
     ax.set_ylabel("held-out accuracy (%)")
     ax.set_title("Experts' held-out accuracy (dot: kept step; dotted: zero-shot head)", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=110)
 
 
 def plot_anchors(results: dict[str, Any], path: Path) -> Path | None:
     """One panel per anchor: per-task test accuracy of the anchor and BMM over it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    plt = _pyplot()
 
     tasks = results["tasks"]
     anchors = [a for a in dict.fromkeys(r["anchor"] for r in results["rows"]) if find_row(results, a)]
@@ -90,19 +82,14 @@ def plot_anchors(results: dict[str, Any], path: Path) -> Path | None:
     for ax in list(axes.flat)[len(anchors) :]:
         ax.axis("off")
     fig.suptitle(f"{results['encoder']}: per-task test accuracy, anchors and BMM ({results['name']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=110)
 
 
 def plot(results: dict[str, Any], path: Path) -> Path | None:
     """Grouped bars: test accuracy per task for each row and the experts."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    plt = _pyplot()
 
     tasks = results["tasks"]
     series = [
@@ -124,7 +111,21 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     ax.set_ylim(0, 1)
     ax.set_title(f"{results['encoder']}: per-task test accuracy ({results['name']})")
     ax.legend(fontsize=8, loc="lower left")
+    return _save(fig, path, dpi=120)
+
+
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend (benchmarks run without a display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path, dpi: int) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fig.savefig(path, dpi=dpi)
+    _pyplot().close(fig)
     return path

@@ -11,6 +11,7 @@ from bench.merging.report.cells import (
     ci_text,
     interval_text,
     share_text,
+    table_head,
     values_text,
 )
 from bench.merging.report.rows import dynamic_range, find_row, range_share
@@ -20,7 +21,7 @@ def markdown(results: dict[str, Any]) -> str:
     """The per-task test table (accuracy, %), with the validation average alongside."""
     tasks = results["tasks"]
     header = ["method", *tasks, "avg (test)", "avg (val)", "hyperparameters"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = table_head(header)
 
     def fmt(value) -> str:
         return "–" if value is None else f"{100 * value:.1f}"
@@ -69,7 +70,7 @@ def table1(results: dict[str, Any]) -> str:
         "K",
         "tuned on validation",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = table_head(header)
 
     def pct(value) -> str:
         return "–" if value is None else f"{100 * value:.1f}"
@@ -161,7 +162,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
         "anchor", "mode", "anchor", "BMM", "Δ [95% CI]", versus, "share of range: anchor → BMM",
         "BMM at defaults (Δ; share of the search's Δ)",
     ]  # fmt: skip
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = table_head(header)
     for cell in summary:
         versus_best = (
             f"{100 * cell['delta_best_anchor']:+.1f} [{100 * cell['delta_best_anchor_low']:.1f}, "
@@ -218,7 +219,7 @@ def best_models_markdown(results: dict[str, Any]) -> str:
         "share of range",
         versus,
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = table_head(header)
     for mode, pick in picks.items():
         delta = pick.get("delta_best_anchor")
         lines.append(
@@ -288,7 +289,7 @@ def data_table(results: dict[str, Any]) -> str:
         "held-out best",
         "expert s",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = table_head(header)
     for task in results["tasks"]:
         counts = results["data"][task]["counts"]
         head = results["heads"].get(task, {})

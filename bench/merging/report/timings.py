@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.merging.report.cells import table_head
+
 
 def runtime_table(results: dict[str, Any]) -> str:
     """Paper Table 5 in kind: where a BMM search's time goes (seconds, this machine)."""
@@ -24,7 +26,7 @@ def runtime_table(results: dict[str, Any]) -> str:
         "trial time (all workers)",
         "wall (search clock)",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = table_head(header)
     for cell, times in runtime.items():
         anchor, setting = cell.split("/")
         k = max(times["trials"], 1)
