@@ -94,7 +94,7 @@ def score(
         os.environ.setdefault(variable, "1")
     from bench.merging.cache import read_json
     from bench.merging.config import load_config
-    from bench.merging.pipeline import score_folder
+    from bench.merging.model_scores import score_folder
     from mergekit_bmm.errors import ConfigError
 
     try:

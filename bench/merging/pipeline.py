@@ -5,7 +5,9 @@ pretrained encoder, heads, experts, scores of the pretrained encoder and the exp
 ("Indiv."), Task Arithmetic merges (weight chosen on validation, reported on test) and
 the language track. It writes ``results.json``, ``results.md`` and a per-task PNG under
 the results folder, and ``<cache>/runs/<name>/manifest.json`` (every path a later stage
-or a search needs: base, experts, heads, task data, an evaluator block).
+or a search needs: base, experts, heads, task data, an evaluator block). The BMM stages
+(statistics, sweeps, searches, ablation) are in :mod:`bench.merging.bmm_stages`, the variants in
+:mod:`bench.merging.variants`, the paired test figures in :mod:`bench.merging.paired`.
 """
 
 from __future__ import annotations
@@ -13,61 +15,27 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import yaml
 from tqdm.auto import tqdm
 
 from bench.merging import device, report
-from bench.merging.anchor_tuning import materialise, tune_anchor
-from bench.merging.cache import ScoreCache, read_json, stable_key, write_json
-from bench.merging.config import AnchorSpec, RunConfig, VariantSpec, limits
-from bench.merging.diagnostics import cached_moved_from_anchor, expert_alignment, task_update_norms
+from bench.merging.anchor_tuning import tune_anchor
+from bench.merging.artifacts import Artifacts, EncoderHandle, say
+from bench.merging.bmm_stages import ablation_stage, bmm_stage, ensure_stats, one_search, sweeps_stage
+from bench.merging.cache import ScoreCache, read_json, write_json
+from bench.merging.config import AnchorSpec, RunConfig, limits
 from bench.merging.encoder import load_encoder, prepare_encoder
 from bench.merging.finetune import build_expert
 from bench.merging.heads import build_head
-from bench.merging.merging import recipe_key, run_mergekit
+from bench.merging.model_scores import merge_and_score, write_manifest
 from bench.merging.paired import add_intervals
-from bench.merging.scoring import ScoredTask, mean, score_model
-from bench.merging.searches import bmm_template, collect_stats, run_search, search_config, seed_record
+from bench.merging.scoring import ScoredTask, score_model
 from bench.merging.stage_clock import StageClock
 from bench.merging.stages import STAGES
 from bench.merging.tasks import build_task_data
-from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.search.config import default_box, recipe_gram
-
-
-def say(message: str) -> None:
-    tqdm.write(message)
-
-
-@dataclass
-class Artifacts:
-    """What the stages produced, by task name."""
-
-    encoder: Path | None = None
-    encoder_fingerprint: str = ""
-    tasks: dict[str, ScoredTask] = field(default_factory=dict)
-    experts: dict[str, Path] = field(default_factory=dict)
-    records: dict[str, dict[str, Any]] = field(default_factory=dict)
-    anchors: dict[str, Path] = field(default_factory=dict)
-    stats: Path | None = None
-
-
-class EncoderHandle:
-    """Loads the pretrained encoder at most once, and only when a stage needs it."""
-
-    def __init__(self, folder: Path, threads: int) -> None:
-        self.folder, self.threads = folder, threads
-        self._loaded = None
-
-    def __call__(self):
-        if self._loaded is None:
-            self._loaded = load_encoder(self.folder, self.threads)
-        return self._loaded
 
 
 def lower_priority(niceness: int) -> None:
@@ -145,20 +113,20 @@ def run_benchmark(
             _anchors(config, cache_dir, art, encoder, results)
     if stop >= STAGES.index("sweeps") and config.sweeps.anchor:
         with clock.stage("sweeps"):
-            _sweeps(config, cache_dir, art, results, results_dir / config.name)
+            sweeps_stage(config, cache_dir, art, results, results_dir / config.name)
     # data-free searches, then the ablation (it reuses the BO search of its cell), then data-assisted
     for setting in config.search.settings:
         if stop >= STAGES.index("bmm") and config.search.anchors:
             with clock.stage("bmm"):
-                _bmm(config, cache_dir, art, results, setting)
+                bmm_stage(config, cache_dir, art, results, setting)
         if setting == config.ablation.setting and stop >= STAGES.index("ablation") and config.ablation.anchor:
             with clock.stage("ablation"):
-                _ablation(config, cache_dir, art, results)
+                ablation_stage(config, cache_dir, art, results)
     if stop >= STAGES.index("variants") and config.variants:
         from bench.merging.variants import run_variants
 
         with clock.stage("variants"):
-            run_variants(config, art, results, partial(_one_search, config, cache_dir, art))
+            run_variants(config, art, results, partial(one_search, config, cache_dir, art))
     if stop >= STAGES.index("scores"):
         add_intervals(config, cache_dir, art, results)
     if stop >= STAGES.index("language") and config.language.enabled:
@@ -317,8 +285,8 @@ def _tune(spec: AnchorSpec, config: RunConfig, cache_dir: Path, art: Artifacts, 
     experts = [art.experts[task.name] for task in tasks]
     work = cache_dir / "merges" / "work"
 
-    def merge_and_score(recipe, jobs, folder=None):
-        return _merge_and_score(recipe, jobs, config, cache, cache_dir, work, folder)
+    def score_recipe(recipe, jobs, folder=None):
+        return merge_and_score(recipe, jobs, config, cache, cache_dir, work, folder)
 
     started = time.time()
     tuned = tune_anchor(
@@ -326,12 +294,12 @@ def _tune(spec: AnchorSpec, config: RunConfig, cache_dir: Path, art: Artifacts, 
         art.encoder,
         experts,
         art.stats,
-        merge_and_score,
+        score_recipe,
         [(t, "validation") for t in tasks],
         cache_dir,
         config.name,
     )
-    final = merge_and_score(
+    final = score_recipe(
         tuned["recipe"], [(t, s) for t in tasks for s in ("validation", "test")], tuned["folder"]
     )
     if tuned["parameter"]:
@@ -364,391 +332,6 @@ def _task_arithmetic(config: RunConfig, cache_dir: Path, art: Artifacts, results
 
 def _anchors(config: RunConfig, cache_dir: Path, art: Artifacts, encoder, results) -> None:
     """Activation statistics (RegMean and data-assisted BMM need them), then every anchor."""
-    _stats(config, cache_dir, art, results)
+    ensure_stats(config, cache_dir, art, results)
     for spec in tqdm(config.anchors, desc="anchors", leave=False):
         _tune(spec, config, cache_dir, art, results)
-
-
-def _stats(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
-    if art.stats is not None:
-        return
-    names = list(art.tasks)
-    art.stats, seconds = collect_stats(
-        config.stats,
-        {name: art.experts[name] for name in names},
-        {name: art.tasks[name].data.data for name in names},
-        config.max_length,
-        cache_dir,
-        config.name,
-        {name: art.records[f"expert/{name}"]["fingerprint"] for name in names},
-    )
-    results["timings"]["stats_seconds"] = seconds
-    results["stats"] = {
-        "max_samples": config.stats.max_samples,
-        "max_length": config.max_length,
-        "split": "train",
-    }
-    say(f"stats     {config.stats.max_samples} sequences per task -> {art.stats} ({seconds} s)")
-
-
-def _sweeps(config: RunConfig, cache_dir: Path, art: Artifacts, results, folder: Path) -> None:
-    """Validation along one λ group or s at a time (bench/merging/sweeps.py), data-free and data-assisted."""
-    from bench.merging.sweeps import run_sweeps
-
-    spec = config.sweeps
-    experts = [art.experts[task.name] for task in art.tasks.values()]
-    _stats(config, cache_dir, art, {"timings": {}})
-    searches = {}
-    for setting in spec.settings:
-        template = bmm_template(art.encoder, experts, _anchor_folder(spec.anchor, art), setting, art.stats)
-        searches[setting] = _sweep_search(config, art, template)
-    anchor_row = report.find_row(results, spec.anchor) if spec.anchor != "pretrained" else None
-    anchor_validation = anchor_row["validation_avg"] if anchor_row else None
-    folder.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    results["sweeps"] = run_sweeps(spec, searches, anchor_validation, cache_dir, folder)
-    say(f"sweeps    {spec.anchor}: {len(searches)} settings, {round(time.time() - started)} s -> sweeps.png")
-    if spec.balance_anchors:
-        _balance_sweeps(config, art, results, cache_dir, folder)
-
-
-def _sweep_search(config: RunConfig, art: Artifacts, template: dict[str, Any]) -> dict[str, Any]:
-    """The search.yml a sweep's resident model is built from: one block, every group, the grid's box."""
-    from mergekit_bmm.core.module_map import GROUP_NAMES
-
-    spec = config.sweeps
-    return {
-        "recipe": template,
-        "blocks": 1,
-        "groups": list(GROUP_NAMES),
-        "lambda_range": [min(spec.lambdas), max(spec.lambdas)],
-        "scale_range": [min(spec.scales), max(spec.scales)],
-        "budget": 1,
-        "n_initial": 1,
-        "strategy": "random",
-        "evaluator": evaluator_block(config, art, "validation"),
-    }
-
-
-def _balance_sweeps(config: RunConfig, art: Artifacts, results, cache_dir: Path, folder: Path) -> None:
-    """Validation along one shared λ and then s, per ``task_balance``, over each balance anchor."""
-    from bench.merging.sweeps import run_balance_sweeps
-
-    spec = config.sweeps
-    experts = [art.experts[task.name] for task in art.tasks.values()]
-    searches = {}
-    for anchor in spec.balance_anchors:
-        for setting in spec.balance_settings:
-            for balance in spec.balances:
-                template = bmm_template(art.encoder, experts, _anchor_folder(anchor, art), setting, art.stats)
-                if balance != "none":  # today's Gram: the parameter unset, as a user's recipe has it
-                    template["parameters"]["task_balance"] = balance
-                searches[(anchor, setting, balance)] = _sweep_search(config, art, template)
-    started = time.time()
-    results["balance_sweeps"] = run_balance_sweeps(spec, searches, cache_dir, folder)
-    say(f"balance   {len(searches)} sweeps, {round(time.time() - started)} s -> balance.png")
-
-
-def _anchor_folder(name: str, art: Artifacts) -> Path | None:
-    if name == "pretrained":
-        return None
-    if name not in art.anchors:
-        raise ConfigError(f"search anchor {name!r} is not a tuned anchor; known: {sorted(art.anchors)}")
-    return art.anchors[name]
-
-
-def _search_folder(config: RunConfig, cache_dir: Path, label: str, search: dict[str, Any]) -> Path:
-    # the budget is left out: a larger budget extends the same search (it resumes); the default
-    # box is in: a search left to the defaults is another search when they change
-    key = stable_key(
-        {
-            "search": {k: v for k, v in search.items() if k != "budget"},
-            "limits": limits(config),
-            "default_box": default_box(recipe_gram(search["recipe"])),
-        }
-    )
-    return cache_dir / "searches" / config.name / f"{label}-{key}"
-
-
-def _one_search(
-    config: RunConfig,
-    cache_dir: Path,
-    art: Artifacts,
-    anchor: str,
-    setting: str,
-    strategy: str,
-    seed: int,
-    variant: VariantSpec | None = None,
-) -> dict[str, Any]:
-    """One ``mergekit-bmm-search``, its best model scored on validation and test; a ``variant``
-    changes the main searches' blocks, budget or task balance."""
-    tasks = list(art.tasks.values())
-    experts = [art.experts[task.name] for task in tasks]
-    if setting == "data_assisted":
-        _stats(config, cache_dir, art, {"timings": {}})
-    template = bmm_template(art.encoder, experts, _anchor_folder(anchor, art), setting, art.stats)
-    spec = config.search
-    if variant is not None:
-        changes = {"blocks": variant.blocks, "budget": variant.budget, "n_initial": variant.n_initial}
-        spec = spec.model_copy(update={key: value for key, value in changes.items() if value is not None})
-        if variant.task_balance is not None:
-            template["parameters"]["task_balance"] = variant.task_balance
-    search = search_config(spec, template, evaluator_block(config, art, "validation"), strategy, seed)
-    label = f"{anchor}-{setting}-{strategy}" + (f"-seed{seed}" if seed else "")
-    label = f"{variant.name}-{label}" if variant is not None else label
-    folder = _search_folder(config, cache_dir, label, search)
-    factors = cache_dir / "factors" / config.name / f"{anchor}-{setting}"  # shared by the cell's searches
-    started = time.time()
-    outcome = run_search(search, folder, config.search.threads, config.search.workers, factors)
-    recipe = yaml.safe_load(outcome["best_yml"].read_text(encoding="utf-8"))
-    recipe["parameters"].pop("cache", None)  # where the factors were kept does not change the model
-    key = recipe_key(recipe)
-    best_dir = outcome["best_dir"]
-    scores = score_model(
-        key,
-        lambda: load_encoder(best_dir, config.work_threads),
-        [(t, s) for t in tasks for s in ("validation", "test")],
-        config.max_length,
-        config.eval_batch_size,
-        ScoreCache(cache_dir),
-        f"{anchor} {setting} {strategy} seed {seed}",
-        limits(config),
-    )
-    validation = mean([scores[(t.name, "validation")] for t in tasks])
-    outcome.update(
-        scores=scores,
-        folder=folder,
-        model_id=key,
-        seed=seed,
-        validation_rescored=validation,
-        seconds_this_run=round(time.time() - started, 1),
-    )
-    return outcome
-
-
-def _bmm(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: str) -> None:
-    """BMM over each anchor in one setting, λ/s from ``mergekit-bmm-search``, one search per seed."""
-    cells = [(anchor, setting) for anchor in config.search.anchors]
-    runtime = results.setdefault("bmm_runtime", {})
-    if setting == "data_assisted":
-        _stats(config, cache_dir, art, {"timings": {}})
-    if "task_norms" not in results:  # how much each task weighs in the data-free Gram
-        results["task_norms"] = task_update_norms(
-            art.encoder, {t: art.experts[t] for t in art.tasks}, cache_dir
-        )
-    if art.stats is not None and "alignment" not in results:
-        experts = [art.experts[task] for task in art.tasks]
-        results["alignment"] = expert_alignment(art.stats, art.encoder, experts, cache_dir)
-    for anchor, setting in tqdm(cells, desc="bmm searches", leave=False):
-        seeds = config.search.anchor_seeds.get(anchor, config.search.seeds)
-        outcomes = [_one_search(config, cache_dir, art, anchor, setting, "bo", seed) for seed in seeds]
-        seeds = [seed_record(outcome, list(art.tasks)) for outcome in outcomes]
-        scores = {
-            (t, split): mean([outcome["scores"][(t, split)] for outcome in outcomes])
-            for t in art.tasks
-            for split in ("validation", "test")
-        }
-        first = outcomes[0]
-        hyper = {"best_values": first["best_values"], "search_validation": first["best_validation"]}
-        row = report.add_row(results, anchor, setting, scores, hyper, budget=first["trials"])
-        row["seeds"] = seeds
-        row["defaults"] = _bmm_defaults(config, cache_dir, art, anchor, setting)
-        if anchor != "pretrained" and Path(first["best_dir"]).is_dir():
-            row["moved"] = cached_moved_from_anchor(
-                Path(first["best_dir"]), art.anchors[anchor], art.encoder, cache_dir
-            )
-        runtime[f"{anchor}/{setting}"] = {
-            "trials": sum(o["trials"] for o in outcomes),
-            "failed": sum(o["failed"] for o in outcomes),
-            **{key: round(sum(o["times"][key] for o in outcomes), 1) for key in first["times"]},
-            "wall": round(sum(o["wall"] for o in outcomes), 1),
-        }
-        spread = [seed["avg"] for seed in seeds]
-        say(
-            f"bmm       {anchor:16s} {setting:13s} K={first['trials']} x {len(seeds)} seeds, test "
-            f"{100 * mean(spread):.1f} (seeds {', '.join(f'{100 * v:.1f}' for v in spread)})"
-        )
-
-
-def _bmm_defaults(
-    config: RunConfig, cache_dir: Path, art: Artifacts, anchor: str, setting: str
-) -> dict[str, Any]:
-    """BMM at its defaults over ``anchor``: the search's recipe with no λ or s (one merge, no trials)."""
-    tasks = list(art.tasks.values())
-    experts = [art.experts[task.name] for task in tasks]
-    recipe = bmm_template(art.encoder, experts, _anchor_folder(anchor, art), setting, art.stats)
-    jobs = [(t, s) for t in tasks for s in ("validation", "test")]
-    work = cache_dir / "merges" / "work"
-    outcome = _merge_and_score(recipe, jobs, config, ScoreCache(cache_dir), cache_dir, work)
-    scores = outcome["scores"]
-    return {
-        "model_id": outcome["key"],
-        "avg": round(mean([scores[(t.name, "test")] for t in tasks]), 4),
-        "validation_avg": round(mean([scores[(t.name, "validation")] for t in tasks]), 4),
-        "per_task": {t.name: round(scores[(t.name, "test")], 4) for t in tasks},
-        "merge_seconds": outcome["merge_seconds"],
-    }
-
-
-def _ablation(config: RunConfig, cache_dir: Path, art: Artifacts, results) -> None:
-    """Shared-λ grid and random search against BO, same anchor, setting and budget K."""
-    spec = config.ablation
-    rows = []
-    for strategy in tqdm([*spec.strategies, "bo"], desc="ablation", leave=False):
-        outcome = _one_search(
-            config, cache_dir, art, spec.anchor, spec.setting, strategy, config.search.seeds[0]
-        )
-        rows.append(
-            {
-                "strategy": strategy,
-                "budget": outcome["trials"],
-                "validation": round(outcome["best_validation"], 4),
-                "test": round(mean([outcome["scores"][(t, "test")] for t in art.tasks]), 4),
-                "best_values": outcome["best_values"],
-                "times": outcome["times"],
-                "wall": outcome["wall"],
-                "curve": outcome["curve"],
-            }
-        )
-    results["ablation"] = {"anchor": spec.anchor, "setting": spec.setting, "rows": rows}
-
-
-def _merge_and_score(
-    recipe,
-    jobs,
-    config: RunConfig,
-    cache: ScoreCache,
-    cache_dir: Path,
-    work: Path,
-    folder: Path | None = None,
-):
-    """Scores of a mergekit recipe (merging only if some score is not cached).
-
-    With ``folder`` the merge is kept there (made once, see ``anchors.materialise``).
-    """
-    key = recipe_key(recipe)
-    record_path = cache_dir / "merges" / f"{key.split(':')[1]}.json"
-    merge_seconds = read_json(record_path)["merge_seconds"] if record_path.is_file() else None
-    out = work / key.split(":")[1]
-
-    def load():
-        nonlocal merge_seconds
-        if folder is not None:
-            path, merge_seconds = materialise(recipe, folder)
-        else:
-            started = time.time()
-            path = run_mergekit(recipe, out)
-            merge_seconds = round(time.time() - started, 1)
-        write_json(record_path, {"recipe": recipe, "key": key, "merge_seconds": merge_seconds})
-        return load_encoder(path, config.work_threads)
-
-    scores = score_model(
-        key, load, jobs, config.max_length, config.eval_batch_size, cache, "merge", limits(config)
-    )
-    if out.exists() and not config.task_arithmetic.keep_models:
-        shutil.rmtree(out)
-    if folder is not None and merge_seconds is None:
-        merge_seconds = materialise(recipe, folder)[1]
-    return {"scores": scores, "merge_seconds": merge_seconds, "key": key}
-
-
-def tasks_from_manifest(manifest: dict[str, Any]) -> dict[str, ScoredTask]:
-    """The run's tasks with their heads, as recorded by :func:`write_manifest`."""
-    from bench.merging.tasks import TaskData
-
-    return {
-        name: ScoredTask(
-            data=TaskData(
-                name=name,
-                data=Path(manifest["data"][name]),
-                labels=tuple(manifest["labels"][name]),
-                counts=manifest["counts"][name],
-                sha256=manifest["data_fingerprints"][name],
-            ),
-            head=Path(manifest["heads"][name]),
-            head_sha=manifest["head_fingerprints"][name],
-        )
-        for name in manifest["heads"]
-    }
-
-
-def score_folder(
-    manifest: dict[str, Any],
-    model_dir: Path,
-    splits: list[str],
-    tasks: list[str] | None,
-    cache_dir: Path,
-    split_limits: dict[str, int | None] | None = None,
-) -> dict[tuple[str, str], float]:
-    """Scores of any encoder folder (a merge, an expert) with the run's fixed heads (cached).
-
-    ``split_limits`` (the run's ``evaluation`` subsets) makes them comparable with the table.
-    """
-    from mergekit_bmm.io.fingerprint import model_fingerprint
-
-    known = tasks_from_manifest(manifest)
-    unknown = sorted(set(tasks or []) - set(known))
-    if unknown:
-        raise ConfigError(f"tasks {unknown} are not in run {manifest['name']}; known: {sorted(known)}")
-    chosen = [known[name] for name in (tasks or list(known))]
-    jobs = [(task, split) for task in chosen for split in splits]
-    return score_model(
-        model_fingerprint(model_dir),
-        lambda: load_encoder(model_dir),
-        jobs,
-        manifest["max_length"],
-        manifest["eval_batch_size"],
-        ScoreCache(cache_dir),
-        model_dir.name,
-        split_limits,
-    )
-
-
-def evaluator_block(config: RunConfig, art: Artifacts, split: str = "validation") -> dict[str, Any]:
-    """Contract A's ``evaluator:`` block for a search over this run's tasks."""
-    return {
-        "type": "classification",
-        "max_length": config.max_length,
-        "batch_size": config.eval_batch_size,
-        "tasks": [
-            {
-                "name": task.name,
-                "head": str(task.head),
-                "data": str(task.data.data),
-                "split": split,
-                "limit": limits(config).get(split) or task.data.counts[split],
-                "text_field": "text",
-                "label_field": "label",
-            }
-            for task in art.tasks.values()
-        ],
-    }
-
-
-def write_manifest(config: RunConfig, cache_dir: Path, art: Artifacts) -> Path:
-    """``<cache>/runs/<name>/manifest.json`` and ``evaluator.yml``: the inputs of phase 2."""
-    folder = cache_dir / "runs" / config.name
-    folder.mkdir(parents=True, exist_ok=True)
-    manifest = {
-        "name": config.name,
-        "config_key": stable_key(config.model_dump(mode="json")),
-        "base": str(art.encoder),
-        "base_fingerprint": art.encoder_fingerprint,
-        "experts": {name: str(path) for name, path in art.experts.items()},
-        "heads": {name: str(task.head) for name, task in art.tasks.items() if task.head_sha},
-        "head_fingerprints": {name: task.head_sha for name, task in art.tasks.items() if task.head_sha},
-        "data": {name: str(task.data.data) for name, task in art.tasks.items()},
-        "data_fingerprints": {name: task.data.sha256 for name, task in art.tasks.items()},
-        "labels": {name: list(task.data.labels) for name, task in art.tasks.items()},
-        "counts": {name: task.data.counts for name, task in art.tasks.items()},
-        "max_length": config.max_length,
-        "eval_batch_size": config.eval_batch_size,
-    }
-    write_json(folder / "manifest.json", manifest)
-    if all(task.head_sha for task in art.tasks.values()):
-        for split in ("validation", "test"):
-            block = {"evaluator": evaluator_block(config, art, split)}
-            (folder / f"evaluator-{split}.yml").write_text(
-                yaml.safe_dump(block, sort_keys=False), encoding="utf-8"
-            )
-    return folder / "manifest.json"
