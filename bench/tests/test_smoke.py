@@ -373,6 +373,8 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
         "share of range: anchor → BMM" in text and "| 100% |" in text
     )  # where models land, read as the paper
     assert (tmp_path / "results" / "smoke" / "per_anchor.png").stat().st_size > 0
+    assert "![paired test differences](deltas.png)" in text  # Δ and intervals at a glance
+    assert (tmp_path / "results" / "smoke" / "deltas.png").stat().st_size > 0
 
     again = run_cli(phase2, tmp_path)  # every cell is cached: nothing is merged or searched again
     assert again.exit_code == 0, again.output

@@ -8,7 +8,7 @@ from typing import Any
 from bench.merging.cache import write_json
 from bench.merging.report.explain import diagnostics_markdown, sweeps_markdown
 from bench.merging.report.language import language_markdown
-from bench.merging.report.plots import plot, plot_anchors, plot_expert_curves
+from bench.merging.report.plots import plot, plot_anchors, plot_deltas, plot_expert_curves
 from bench.merging.report.rows import dynamic_range
 from bench.merging.report.tables import (
     ablation_table,
@@ -36,6 +36,8 @@ def write(results: dict[str, Any], folder: Path) -> None:
         text += ["## The BMM model to keep against the best anchor", "", best_models_markdown(results), ""]
     if results.get("summary"):
         text += ["## BMM against its anchor and the best anchor", "", summary_markdown(results), ""]
+        if plot_deltas(results, folder / "deltas.png"):
+            text += ["![paired test differences](deltas.png)", ""]
     if any(r["setting"] != "anchor" for r in results["rows"]):
         text += ["## Anchors and BMM (Table 1 in kind)", "", table1(results), ""]
         if panels:

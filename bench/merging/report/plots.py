@@ -114,6 +114,64 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path, dpi=120)
 
 
+def plot_deltas(results: dict[str, Any], path: Path) -> Path | None:
+    """Paired test Δ with 95 % intervals at a glance: BMM (searched, and at its defaults) against its
+    anchor per mode, and each variant against the search it is paired with."""
+    cells = [c for c in results.get("summary") or [] if c["anchor"] != "pretrained"]
+    variants = [
+        (name, row)
+        for name, rows in (results.get("variants") or {}).items()
+        for row in rows.values()
+        if row.get("delta_main")
+    ]
+    if not cells and not variants:
+        return None
+    plt = _pyplot()
+    panels = [panel for panel in (cells, variants) if panel]
+    heights = [max(2.0, 0.32 * len(panel) + 1.2) for panel in panels]
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(7.5, sum(heights)), squeeze=False, gridspec_kw={"height_ratios": heights}
+    )
+    colors = {"data_free": "#1f77b4", "data_assisted": "#d62728"}
+    axes = list(axes.flat)
+    if cells:
+        ax = axes.pop(0)
+        for i, cell in enumerate(reversed(cells)):
+            color = colors.get(cell["mode"], "black")
+            _whisker(ax, i, (cell["delta"], cell["delta_low"], cell["delta_high"]), fmt="o", color=color)
+            if "defaults_delta" in cell:
+                ax.plot(100 * cell["defaults_delta"], i, marker="o", mfc="white", color=color, linestyle="")
+        labels = [
+            f"{ANCHOR_LABELS.get(c['anchor'], c['anchor'])} ({c['mode'].replace('_', '-')})" for c in cells
+        ]
+        ax.set_yticks(range(len(cells)), list(reversed(labels)), fontsize=7)
+        ax.axvline(0, color="grey", linewidth=0.8)
+        ax.set_xlabel("test Δ vs its anchor (points; filled: searched, hollow: at its defaults)")
+    if variants:
+        ax = axes.pop(0)
+        for i, (_, row) in enumerate(reversed(variants)):
+            won = (
+                row.get("main_validation_avg") is not None
+                and row["validation_avg"] > row["main_validation_avg"]
+            )
+            _whisker(ax, i, row["delta_main"], fmt="s", color="#2ca02c" if won else "#7f7f7f")
+        labels = [
+            f"{name}: {ANCHOR_LABELS.get(row['anchor'], row['anchor'])} ({row['setting'].replace('_', '-')})"
+            for name, row in variants
+        ]
+        ax.set_yticks(range(len(variants)), list(reversed(labels)), fontsize=7)
+        ax.axvline(0, color="grey", linewidth=0.8)
+        ax.set_xlabel("test Δ vs the search it is paired with (green: ahead on validation)")
+    fig.suptitle(f"{results['name']}: paired test differences, 95 % intervals", fontsize=10)
+    return _save(fig, path, dpi=110)
+
+
+def _whisker(ax, y: float, figure, **style) -> None:
+    """One paired difference (estimate, low, high; fractions) as a point with its interval, in points."""
+    estimate, low, high = (100 * value for value in figure)
+    ax.errorbar(estimate, y, xerr=[[estimate - low], [high - estimate]], capsize=3, **style)
+
+
 def _pyplot():
     """matplotlib's pyplot on the file-only backend (benchmarks run without a display)."""
     import matplotlib
