@@ -41,6 +41,15 @@ def tiny_gpt2(tmp_path_factory):
     return make_tiny_family(tmp_path_factory.mktemp("gpt2"), "gpt2", n_experts=2)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """For modules of tiny tensors: on a shared 2-core machine, thread hand-offs cost more than the math."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):

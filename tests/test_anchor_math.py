@@ -33,13 +33,7 @@ CASES = [(shape, tasks) for shape in SHAPES for tasks in TASK_COUNTS]
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """These tensors are tiny: on a shared 2-core machine, thread hand-offs cost more than the math."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors (conftest.py)
 
 
 def ids(case):

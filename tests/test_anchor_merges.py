@@ -21,7 +21,7 @@ from mergekit_bmm.core import iso_c_merge, iso_cts_merge, regmean_merge, tsv_mer
 from mergekit_bmm.core.module_map import classify
 from mergekit_bmm.examples.synthetic_stats import stats_for_family
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # tiny tensors (conftest.py)
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -31,15 +31,6 @@ ALGORITHMS = {
     "iso_cts": partial(iso_cts_merge, common_space_fraction=0.8),
     "wudi": wudi_merge,
 }
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """These tensors are tiny: on a shared 2-core machine, thread hand-offs cost more than the math."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def run(config: dict, out: Path) -> dict[str, torch.Tensor]:

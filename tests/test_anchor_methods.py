@@ -18,13 +18,7 @@ IDS = ("/nonexistent/base", *(f"/nonexistent/expert-{letter}" for letter in "abc
 EXPERTS = IDS[1:4]
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """These tensors are tiny: on a shared 2-core machine, thread hand-offs cost more than the math."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors (conftest.py)
 
 
 def inputs(shape=(16, 8), tasks=3, seed=0, dtype=torch.float32):
