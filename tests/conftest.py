@@ -50,6 +50,20 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="module")
+def one_thread_per_module():
+    """Tiny merges and GP fits are latency-bound: one thread (torch and BLAS) for the whole module
+    avoids oversubscribing a shared machine."""
+    import skopt  # noqa: F401  (loads numpy's and scipy's BLAS, so the limit reaches them)
+    from threadpoolctl import threadpool_limits
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with threadpool_limits(limits=1):
+        yield
+    torch.set_num_threads(threads)
+
+
 def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):

@@ -12,23 +12,10 @@ from conftest import load_weights, relative_error
 from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
 from mergekit_bmm.sampling.run import SamplingRequest, sample_models
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_per_module")]  # conftest.py
 
 TESTS = Path(__file__).parent
 SCALE = 1.3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny merges and GP fits: one thread (torch and BLAS) on a shared machine."""
-    import skopt  # noqa: F401  (loads numpy's and scipy's BLAS, so the limit reaches them)
-    from threadpoolctl import threadpool_limits
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(limits=1):
-        yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

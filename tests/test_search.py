@@ -16,27 +16,12 @@ import yaml
 from mergekit_bmm.search import SearchOptions, parse_search_config, run_search
 from mergekit_bmm.search.log import read_trials
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_per_module")]  # conftest.py
 
 TESTS = Path(__file__).parent
 BIN = Path(sys.executable).parent
 GROUPS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 TARGET = {"attn_in": 0.003, "attn_out": 0.03, "mlp_in": 0.01, "mlp_out": 0.1, "scale": 1.15}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny merges and GP fits are latency-bound; one thread (torch and BLAS) avoids
-    oversubscribing a shared machine."""
-    import skopt  # noqa: F401  (loads numpy's and scipy's BLAS, so the limit reaches them)
-    import torch
-    from threadpoolctl import threadpool_limits
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(limits=1):
-        yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
