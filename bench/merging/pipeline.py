@@ -111,22 +111,41 @@ def run_benchmark(
     if stop >= STAGES.index("anchors") and config.anchors:
         with clock.stage("anchors"):
             _anchors(config, cache_dir, art, encoder, results)
+
+    def checkpoint(reached: str, partial_note: str | None = None) -> None:
+        """The report of what has finished, at a stage boundary: a run killed later (a session that
+        ends) still leaves it, saying how far it got."""
+        results["stage_reached"], results["stage_partial"] = reached, partial_note
+        add_intervals(config, cache_dir, art, results)
+        _fill_clock_from_records(clock, results)
+        results["stage_seconds"] = clock.table()
+        report.write(results, results_dir / config.name)
+
     if stop >= STAGES.index("sweeps") and config.sweeps.anchor:
         with clock.stage("sweeps"):
             sweeps_stage(config, cache_dir, art, results, results_dir / config.name)
+        if stop > STAGES.index("sweeps"):
+            checkpoint("sweeps")
     # data-free searches, then the ablation (it reuses the BO search of its cell), then data-assisted
-    for setting in config.search.settings:
+    settings = config.search.settings
+    for i, setting in enumerate(settings):
         if stop >= STAGES.index("bmm") and config.search.anchors:
             with clock.stage("bmm"):
                 bmm_stage(config, cache_dir, art, results, setting)
         if setting == config.ablation.setting and stop >= STAGES.index("ablation") and config.ablation.anchor:
             with clock.stage("ablation"):
                 ablation_stage(config, cache_dir, art, results)
+        if stop > STAGES.index("bmm") and i < len(settings) - 1:
+            ablation = "; the ablation is done" if results.get("ablation") else ""
+            checkpoint("bmm", f"searches {', '.join(settings[: i + 1])} only{ablation}")
+    if stop > STAGES.index("ablation") and config.search.anchors:
+        checkpoint("ablation")
     if stop >= STAGES.index("variants") and config.variants:
         from bench.merging.variants import run_variants
 
         with clock.stage("variants"):
             run_variants(config, art, results, partial(one_search, config, cache_dir, art))
+    results["stage_reached"], results["stage_partial"] = until, None
     if stop >= STAGES.index("scores"):
         add_intervals(config, cache_dir, art, results)
     if stop >= STAGES.index("language") and config.language.enabled:

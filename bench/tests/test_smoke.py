@@ -257,7 +257,7 @@ def test_bad_config_is_one_line_error(tmp_path):
     assert len(result.output.strip().splitlines()) == 1
 
 
-def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
+def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path, monkeypatch):
     """Phase 2 on the tiny run: an anchor grid, mergekit-bmm-stats, BMM searches and the ablation.
 
     The search's own validation score of its best trial must equal the benchmark's score of
@@ -296,7 +296,23 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path):
     phase2.write_text(yaml.safe_dump(config))
     if (root / "cache").is_dir():  # reuse the first test's data, heads and experts when it ran
         shutil.copytree(root / "cache", tmp_path / "cache")
-    result = run_cli(phase2, tmp_path)
+
+    class Killed(Exception):
+        pass
+
+    def killed(*args, **kwargs):
+        raise Killed("the session ended")
+
+    with monkeypatch.context() as patch:  # a run killed in the variants stage still leaves its report
+        patch.setattr("bench.merging.variants.run_variants", killed)
+        with pytest.raises(Killed):
+            run_cli(phase2, tmp_path)
+    so_far = (tmp_path / "results" / "smoke" / "results.md").read_text()
+    assert (
+        "Stages run: data, heads, experts, scores, task_arithmetic, anchors, sweeps, bmm, ablation;" in so_far
+    )
+    assert "not yet run: variants, language" in so_far and "## BMM against its anchor" in so_far
+    result = run_cli(phase2, tmp_path)  # resumes: only the variants are new
     assert result.exit_code == 0, result.output
     results = json.loads((tmp_path / "results" / "smoke" / "results.json").read_text())
     cells = {(row["anchor"], row["setting"]): row for row in results["rows"]}
