@@ -120,6 +120,8 @@ def run_benchmark(
         _fill_clock_from_records(clock, results)
         results["stage_seconds"] = clock.table()
         report.write(results, results_dir / config.name)
+        how_far = f"{reached}: {partial_note}" if partial_note else reached
+        say(f"report    {results_dir / config.name / 'results.md'} (up to {how_far})")
 
     if stop >= STAGES.index("sweeps") and config.sweeps.anchor:
         with clock.stage("sweeps"):
