@@ -208,6 +208,9 @@ def bmm_stage(config: RunConfig, cache_dir: Path, art: Artifacts, results, setti
         row = report.add_row(results, anchor, setting, scores, hyper, budget=first["trials"])
         row["seeds"] = seeds
         row["defaults"] = bmm_defaults(config, cache_dir, art, anchor, setting)
+        proposed = config.search.default_candidates.get(setting)
+        if proposed:  # a default proposed for this mode: one merge, no trials, scored the same way
+            row["candidate"] = bmm_defaults(config, cache_dir, art, anchor, setting, proposed)
         if anchor != "pretrained" and Path(first["best_dir"]).is_dir():
             row["moved"] = cached_moved_from_anchor(
                 Path(first["best_dir"]), art.anchors[anchor], art.encoder, cache_dir
@@ -226,12 +229,19 @@ def bmm_stage(config: RunConfig, cache_dir: Path, art: Artifacts, results, setti
 
 
 def bmm_defaults(
-    config: RunConfig, cache_dir: Path, art: Artifacts, anchor: str, setting: str
+    config: RunConfig,
+    cache_dir: Path,
+    art: Artifacts,
+    anchor: str,
+    setting: str,
+    parameters: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """BMM at its defaults over ``anchor``: the search's recipe with no λ or s (one merge, no trials)."""
+    """BMM at its defaults over ``anchor``: the search's recipe with no λ or s (one merge, no trials);
+    with ``parameters``, at those instead (a proposed default)."""
     tasks = list(art.tasks.values())
     experts = [art.experts[task.name] for task in tasks]
     recipe = bmm_template(art.encoder, experts, anchor_folder(anchor, art), setting, art.stats)
+    recipe["parameters"].update(parameters or {})
     jobs = [(t, s) for t in tasks for s in ("validation", "test")]
     work = cache_dir / "merges" / "work"
     outcome = merge_and_score(recipe, jobs, config, ScoreCache(cache_dir), cache_dir, work)
@@ -242,6 +252,7 @@ def bmm_defaults(
         "validation_avg": round(mean([scores[(t.name, "validation")] for t in tasks]), 4),
         "per_task": {t.name: round(scores[(t.name, "test")], 4) for t in tasks},
         "merge_seconds": outcome["merge_seconds"],
+        **({"parameters": dict(parameters)} if parameters else {}),
     }
 
 

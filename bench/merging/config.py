@@ -169,6 +169,11 @@ class SearchSpec(_Strict):
     )
     workers: int = Field(default=1, ge=1, description="trials at once (mergekit-bmm-search --workers)")
     threads: int = Field(default=1, ge=1)
+    default_candidates: dict[Literal["data_free", "data_assisted"], dict[str, float | str]] = Field(
+        default_factory=dict,
+        description="per mode, bmm parameters proposed as its no-search default (e.g. {scale: 1.6}, chosen "
+        "on validation from the sweeps): one more merge per anchor, paired on test like BMM at its defaults",
+    )
 
 
 class SweepSpec(_Strict):

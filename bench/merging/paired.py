@@ -65,15 +65,22 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Any, results: dict[st
             continue
         cell = summary_row(anchor, setting, expected, anchors[anchor], anchors.get(best), indiv_flags)
         row = report.find_row(results, anchor, setting)
-        if (row.get("defaults") or {}).get("model_id"):  # BMM at its defaults: one merge, no search
-            estimate, low, high = paired_difference(flags(row["defaults"]["model_id"]), anchors[anchor])
+        for kind in ("defaults", "candidate"):  # one merge, no search: today's defaults, a proposed one
+            merge = row.get(kind) or {}
+            if not merge.get("model_id"):
+                continue
+            estimate, low, high = paired_difference(flags(merge["model_id"]), anchors[anchor])
             cell.update(
-                defaults_score=row["defaults"]["avg"],
-                defaults_delta=round(estimate, 4),
-                defaults_delta_low=round(low, 4),
-                defaults_delta_high=round(high, 4),
-                defaults_share=round(estimate / cell["delta"], 4) if cell["delta"] > 0 else None,
+                {
+                    f"{kind}_score": merge["avg"],
+                    f"{kind}_delta": round(estimate, 4),
+                    f"{kind}_delta_low": round(low, 4),
+                    f"{kind}_delta_high": round(high, 4),
+                    f"{kind}_share": round(estimate / cell["delta"], 4) if cell["delta"] > 0 else None,
+                }
             )
+            if merge.get("parameters"):
+                cell[f"{kind}_parameters"] = merge["parameters"]
         summary.append({**cell, "best_anchor": best})
         row["delta"] = [cell["delta"], cell["delta_low"], cell["delta_high"]]
         row["gap_closed"] = cell.get("gap_closed")

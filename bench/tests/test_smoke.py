@@ -280,6 +280,7 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path, monkeypatch):
                 "budget": 2,
                 "n_initial": 1,
                 "seeds": [0, 1],
+                "default_candidates": {"data_assisted": {"scale": 1.5}},
             },
             "sweeps": {
                 "anchor": "task_arithmetic",
@@ -343,6 +344,13 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path, monkeypatch):
         assert cell["delta_low"] <= cell["delta"] <= cell["delta_high"]
         assert cell["best_anchor"] in ("task_arithmetic", "tsv") and "delta_best_anchor" in cell
         assert cell["defaults_delta_low"] <= cell["defaults_delta"] <= cell["defaults_delta_high"]
+    proposed = cells[("task_arithmetic", "data_assisted")]["candidate"]  # a proposed default: one more merge
+    today = cells[("task_arithmetic", "data_assisted")]["defaults"]
+    assert proposed["parameters"] == {"scale": 1.5} and proposed["model_id"] != today["model_id"]
+    assert "candidate" not in cells[("task_arithmetic", "data_free")]
+    cell = summary[("task_arithmetic", "data_assisted")]
+    assert cell["candidate_delta_low"] <= cell["candidate_delta"] <= cell["candidate_delta_high"]
+    assert "candidate_reach_80" not in results["verdict"]["data_free"]
     assert results["verdict"]["data_free"]["anchors"] == 1
     gained = results["verdict"]["data_free"]["search_gained"]  # defaults judged only where a search gained
     assert 0 <= results["verdict"]["data_free"]["defaults_reach_80"] <= gained <= 1
@@ -385,6 +393,7 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path, monkeypatch):
     assert "Table 1 in kind" in text and "Table 3 in kind" in text and "Table 5 in kind" in text
     assert "Why BMM moves or keeps its anchor" in text and "mean cos_F" in text
     assert "## Variants" in text and "## Task balance" in text and "## The BMM model to keep" in text
+    assert "BMM at a proposed default" in text and "scale 1.5: " in text
     assert (
         "share of range: anchor → BMM" in text and "| 100% |" in text
     )  # where models land, read as the paper

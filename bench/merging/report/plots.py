@@ -139,14 +139,19 @@ def plot_deltas(results: dict[str, Any], path: Path) -> Path | None:
         for i, cell in enumerate(reversed(cells)):
             color = colors.get(cell["mode"], "black")
             _whisker(ax, i, (cell["delta"], cell["delta_low"], cell["delta_high"]), fmt="o", color=color)
-            if "defaults_delta" in cell:
-                ax.plot(100 * cell["defaults_delta"], i, marker="o", mfc="white", color=color, linestyle="")
+            for kind, marker in (("defaults", "o"), ("candidate", "D")):  # one merge, no search
+                if f"{kind}_delta" in cell:
+                    ax.plot(
+                        100 * cell[f"{kind}_delta"], i, marker=marker, mfc="white", color=color, linestyle=""
+                    )
         labels = [
             f"{ANCHOR_LABELS.get(c['anchor'], c['anchor'])} ({c['mode'].replace('_', '-')})" for c in cells
         ]
         ax.set_yticks(range(len(cells)), list(reversed(labels)), fontsize=7)
         ax.axvline(0, color="grey", linewidth=0.8)
-        ax.set_xlabel("test Δ vs its anchor (points; filled: searched, hollow: at its defaults)")
+        ax.set_xlabel(
+            "test Δ vs its anchor (filled: searched; hollow: at its defaults, ◇ a proposed default)"
+        )
     if variants:
         ax = axes.pop(0)
         for i, (_, row) in enumerate(reversed(variants)):

@@ -162,6 +162,9 @@ def summary_markdown(results: dict[str, Any]) -> str:
         "anchor", "mode", "anchor", "BMM", "Δ [95% CI]", versus, "share of range: anchor → BMM",
         "BMM at defaults (Δ; share of the search's Δ)",
     ]  # fmt: skip
+    proposed = any("candidate_score" in cell for cell in summary)
+    if proposed:
+        header.append("BMM at a proposed default (Δ; share)")
     lines = table_head(header)
     for cell in summary:
         versus_best = (
@@ -178,6 +181,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
             f"{100 * cell['anchor_score']:.1f} | {100 * cell['bmm_score']:.1f} | "
             f"{100 * cell['delta']:+.1f} [{100 * cell['delta_low']:.1f}, {100 * cell['delta_high']:.1f}] | "
             f"{versus_best} | {lands} | {_defaults_cell(cell)} |"
+            + (f" {_defaults_cell(cell, 'candidate')} |" if proposed else "")
         )
     counts = results.get("verdict") or {}
     tally = "; ".join(
@@ -197,7 +201,19 @@ def summary_markdown(results: dict[str, Any]) -> str:
             f"\n\nBMM at its defaults (one merge, no trials) reaching {100 * DEFAULTS_BAR:.0f} % of the "
             f"searched Δ on test — {defaults}."
         )
+    tried = "; ".join(
+        f"{mode} at {_parameters(next(c for c in summary if c['mode'] == mode and 'candidate_score' in c))}: "
+        f"{c['candidate_reach_80']} of the {c['search_gained']}"
+        for mode, c in counts.items()
+        if "candidate_reach_80" in c
+    )
+    if tried:
+        text += f" A proposed default (chosen on validation in the sweeps) reaching it — {tried}."
     return text
+
+
+def _parameters(cell: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in (cell.get("candidate_parameters") or {}).items())
 
 
 def best_models_markdown(results: dict[str, Any]) -> str:
@@ -240,14 +256,16 @@ def best_models_markdown(results: dict[str, Any]) -> str:
     )
 
 
-def _defaults_cell(cell: dict[str, Any]) -> str:
-    if "defaults_score" not in cell:
+def _defaults_cell(cell: dict[str, Any], kind: str = "defaults") -> str:
+    """One no-search merge (``defaults``, or a ``candidate`` default) against the anchor and the search."""
+    if f"{kind}_score" not in cell:
         return "–"
-    share = cell.get("defaults_share")
+    share = cell.get(f"{kind}_share")
     of_search = "search gained nothing" if share is None else f"{100 * share:.0f}%"
+    at = f"{_parameters(cell)}: " if kind == "candidate" else ""
     return (
-        f"{100 * cell['defaults_score']:.1f} ({100 * cell['defaults_delta']:+.1f} "
-        f"[{100 * cell['defaults_delta_low']:.1f}, {100 * cell['defaults_delta_high']:.1f}]; {of_search})"
+        f"{at}{100 * cell[f'{kind}_score']:.1f} ({100 * cell[f'{kind}_delta']:+.1f} "
+        f"[{100 * cell[f'{kind}_delta_low']:.1f}, {100 * cell[f'{kind}_delta_high']:.1f}]; {of_search})"
     )
 
 
