@@ -120,7 +120,7 @@ def run_benchmark(
         _fill_clock_from_records(clock, results)
         results["stage_seconds"] = clock.table()
         report.write(results, results_dir / config.name)
-        how_far = f"{reached}: {partial_note}" if partial_note else reached
+        how_far = f"{reached}; {partial_note}" if partial_note else reached
         say(f"report    {results_dir / config.name / 'results.md'} (up to {how_far})")
 
     if stop >= STAGES.index("sweeps") and config.sweeps.anchor:
@@ -138,8 +138,8 @@ def run_benchmark(
             with clock.stage("ablation"):
                 ablation_stage(config, cache_dir, art, results)
         if stop > STAGES.index("bmm") and i < len(settings) - 1:
-            ablation = "; the ablation is done" if results.get("ablation") else ""
-            checkpoint("bmm", f"searches {', '.join(settings[: i + 1])} only{ablation}")
+            reached = "ablation" if results.get("ablation") else "bmm"
+            checkpoint(reached, f"bmm: {', '.join(settings[: i + 1])} searches only")
     if stop > STAGES.index("ablation") and config.search.anchors:
         checkpoint("ablation")
     if stop >= STAGES.index("variants") and config.variants:

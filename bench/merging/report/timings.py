@@ -99,7 +99,7 @@ def stage_line(results: dict[str, Any]) -> str:
     machine = ", ".join(str(part) for part in (where.get("cpu"), cores, where.get("gpu")) if part)
     text = f"Stages run: {', '.join(STAGES[: STAGES.index(reached) + 1])}" if reached in STAGES else ""
     if results.get("stage_partial"):
-        text += f" ({reached}: {results['stage_partial']})"
+        text += f" ({results['stage_partial']})"
     if later:
         text += f"; not yet run: {', '.join(later)}"
     return text + (f". Machine: {machine}." if machine else ".")
