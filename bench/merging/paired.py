@@ -92,7 +92,7 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Any, results: dict[st
             ]
     results["summary"] = summary
     results["best_anchor"] = best
-    candidates = [
+    searched = [  # every search's best model, main and variants: what the model to keep is chosen from
         {
             "label": f"{anchor} ({setting})",
             "mode": setting,
@@ -107,11 +107,11 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Any, results: dict[st
         for (name, cell), expected in variant_intervals(results, flags, merged, anchors).items():
             row = results["variants"][name][cell]
             label = f"{row['anchor']} ({row['setting']}, {name})"
-            candidates.append(
+            searched.append(
                 {"label": label, "mode": row["setting"], "flags": expected}
                 | {key: row[key] for key in ("validation_avg", "avg")}
             )
-    results["best_models"] = best_models(candidates, anchors.get(best))
+    results["best_models"] = best_models(searched, anchors.get(best))
     results["verdict"] = verdict(summary)
 
 
