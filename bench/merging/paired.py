@@ -10,11 +10,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from bench.merging import report
+from bench.merging.artifacts import Artifacts
 from bench.merging.cache import ScoreCache
 from bench.merging.config import RunConfig, limits
 
 
-def add_intervals(config: RunConfig, cache_dir: Path, art: Any, results: dict[str, Any]) -> None:
+def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: dict[str, Any]) -> None:
     """95 % bootstrap intervals of every row's test average; for BMM rows the paired Δ against
     their anchor and against the best anchor (seed-averaged per example), the share of the
     anchor-to-experts gap closed; the run's range figures and per-cell summary

@@ -112,14 +112,17 @@ def run_benchmark(
         with clock.stage("anchors"):
             _anchors(config, cache_dir, art, encoder, results)
 
+    def write_report() -> None:
+        _fill_clock_from_records(clock, results)
+        results["stage_seconds"] = clock.table()
+        report.write(results, results_dir / config.name)
+
     def checkpoint(reached: str, partial_note: str | None = None) -> None:
         """The report of what has finished, at a stage boundary: a run killed later (a session that
         ends) still leaves it, saying how far it got."""
         results["stage_reached"], results["stage_partial"] = reached, partial_note
         add_intervals(config, cache_dir, art, results)
-        _fill_clock_from_records(clock, results)
-        results["stage_seconds"] = clock.table()
-        report.write(results, results_dir / config.name)
+        write_report()
         how_far = f"{reached}; {partial_note}" if partial_note else reached
         say(f"report    {results_dir / config.name / 'results.md'} (up to {how_far})")
 
@@ -140,7 +143,8 @@ def run_benchmark(
         if stop > STAGES.index("bmm") and i < len(settings) - 1:
             reached = "ablation" if results.get("ablation") else "bmm"
             checkpoint(reached, f"bmm: {', '.join(settings[: i + 1])} searches only")
-    if stop > STAGES.index("ablation") and config.search.anchors:
+    later_stages = config.variants or config.language.enabled  # nothing after: the final report follows
+    if stop > STAGES.index("ablation") and config.search.anchors and later_stages:
         checkpoint("ablation")
     if stop >= STAGES.index("variants") and config.variants:
         from bench.merging.variants import run_variants
@@ -159,9 +163,7 @@ def run_benchmark(
     elif (results_dir / config.name / "language.json").is_file() and config.language.enabled:
         results["language"] = read_json(results_dir / config.name / "language.json")
     results["timings"]["this_run_seconds"] = round(time.time() - started, 1)
-    _fill_clock_from_records(clock, results)
-    results["stage_seconds"] = clock.table()
-    report.write(results, results_dir / config.name)
+    write_report()
     say(report.markdown(results))
     return results
 
