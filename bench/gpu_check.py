@@ -2,7 +2,8 @@
 
 Five parts (the first four by default), each printed as a table and kept in ``--out`` (JSON):
 
-1. **accuracy** — bmm data-free, activations and mix merged on ``--device`` (float32 compute)
+1. **accuracy** — bmm data-free, activations and mix, over ACE, and with ``task_balance:
+   frobenius`` in the mix, merged on ``--device`` (float32 compute)
    against the float64 CPU merge of the same recipe: the largest relative error of any
    solved tensor's update ``W − W_pre`` (tiny Llama families; with ``--size full`` also
    the SmolLM2-135M shape). Activation statistics are random Grams in the real format.
@@ -59,7 +60,13 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads
         "3b": (3072, 8192, 28, 24, 8),
     },
 }
-GRAMS = ("data_free", "activations", "mix")
+CASES = (  # name, anchor, gram, extra bmm parameters: the three Grams, the ACE anchor, task balance
+    ("data_free", "task_arithmetic", "data_free", {}),
+    ("activations", "task_arithmetic", "activations", {}),
+    ("mix", "task_arithmetic", "mix", {"epsilon": 0.5}),
+    ("ace anchor", "ace", "data_free", {}),
+    ("balance mix", "task_arithmetic", "mix", {"epsilon": 0.5, "task_balance": "frobenius"}),
+)
 PARTS = ("accuracy", "speed", "search", "billion", "search3b")
 DEFAULT_PARTS = PARTS[:4]  # search3b generates a 23 GB family: asked for by name
 
@@ -102,16 +109,14 @@ def accuracy(models: Path, scratch: Path, device: str, size: str) -> list[dict]:
             continue
         fam = family(models, shape)
         stats = _stats(fam, scratch / f"stats-{label.replace(' ', '_')}")
-        for gram in GRAMS:
-            extra = {"stats": str(stats)} if gram != "data_free" else {}
-            if gram == "mix":
-                extra["epsilon"] = 0.5
-            spec = recipe(fam, "bmm", "task_arithmetic", gram=gram, **extra)
+        for case, anchor, gram, extra in CASES:
+            extra = {**extra, "stats": str(stats)} if gram != "data_free" else dict(extra)
+            spec = recipe(fam, "bmm", anchor, gram=gram, **extra)
             spec["dtype"] = "float32"  # compare the solves, not bfloat16 rounding
             reference = {**spec, "parameters": {**spec["parameters"], "compute_dtype": "float64"}}
             outs = {}
             for name, run_recipe, run_device in (("device", spec, device), ("reference", reference, "cpu")):
-                out = scratch / f"accuracy-{label.replace(' ', '_')}-{gram}-{name}"
+                out = scratch / f"accuracy-{label.replace(' ', '_')}-{case.replace(' ', '_')}-{name}"
                 merge_here(run_recipe, str(out), run_device)  # no memory measured: no child start-up
                 outs[name] = _updates(out, Path(fam["base"]))
             errors = [
@@ -123,9 +128,15 @@ def accuracy(models: Path, scratch: Path, device: str, size: str) -> list[dict]:
                 if reference_update.norm() > 0
             ]
             rows.append(
-                {"family": label, "gram": gram, "tensors": len(errors), "max_relative_error": max(errors)}
+                {
+                    "family": label,
+                    "case": case,
+                    "gram": gram,
+                    "tensors": len(errors),
+                    "max_relative_error": max(errors),
+                }
             )
-            print(f"  accuracy {label} {gram}: {max(errors):.2e}", flush=True)
+            print(f"  accuracy {label} {case}: {max(errors):.2e}", flush=True)
     return rows
 
 
@@ -232,11 +243,10 @@ def report(result: dict) -> str:
 
 
 def _accuracy_table(rows: list[dict]) -> list[str]:
-    lines = [f"{'accuracy (vs float64 CPU)':<34}{'gram':<13}{'tensors':>8}{'max rel. error':>16}", "-" * 71]
+    lines = [f"{'accuracy (vs float64 CPU)':<34}{'case':<13}{'tensors':>8}{'max rel. error':>16}", "-" * 71]
     for row in rows:
-        lines.append(
-            f"{row['family']:<34}{row['gram']:<13}{row['tensors']:>8}{row['max_relative_error']:>16.2e}"
-        )
+        case = row.get("case", row["gram"])  # results before the ACE and balance cases name the gram only
+        lines.append(f"{row['family']:<34}{case:<13}{row['tensors']:>8}{row['max_relative_error']:>16.2e}")
     return lines
 
 
