@@ -151,6 +151,8 @@ def run_benchmark(
 
         with clock.stage("variants"):
             run_variants(config, art, results, partial(one_search, config, cache_dir, art))
+        if stop > STAGES.index("variants") and config.language.enabled:
+            checkpoint("variants")  # the language track takes an hour: keep the variants' report
     results["stage_reached"], results["stage_partial"] = until, None
     if stop >= STAGES.index("scores"):
         add_intervals(config, cache_dir, art, results)

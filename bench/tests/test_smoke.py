@@ -406,3 +406,13 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path, monkeypatch):
     assert (
         json.loads((tmp_path / "results" / "smoke" / "results.json").read_text())["rows"] == results["rows"]
     )
+
+    config["language"] = {"enabled": True}  # a run killed in the hour-long language track keeps the variants
+    phase3 = tmp_path / "phase3.yml"
+    phase3.write_text(yaml.safe_dump(config))
+    with monkeypatch.context() as patch:
+        patch.setattr("bench.merging.language.track.run_language_track", killed)
+        with pytest.raises(Killed):
+            run_cli(phase3, tmp_path)
+    so_far = (tmp_path / "results" / "smoke" / "results.md").read_text()
+    assert "ablation, variants; not yet run: language" in so_far and "## Variants" in so_far
