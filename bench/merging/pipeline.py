@@ -146,6 +146,7 @@ def run_benchmark(
     later_stages = config.variants or config.language.enabled  # nothing after: the final report follows
     if stop > STAGES.index("ablation") and config.search.anchors and later_stages:
         checkpoint("ablation")
+    intervals_current = False  # the language track adds no rows: a report right before it holds them all
     if stop >= STAGES.index("variants") and config.variants:
         from bench.merging.variants import run_variants
 
@@ -153,8 +154,9 @@ def run_benchmark(
             run_variants(config, art, results, partial(one_search, config, cache_dir, art))
         if stop > STAGES.index("variants") and config.language.enabled:
             checkpoint("variants")  # the language track takes an hour: keep the variants' report
+            intervals_current = True
     results["stage_reached"], results["stage_partial"] = until, None
-    if stop >= STAGES.index("scores"):
+    if stop >= STAGES.index("scores") and not intervals_current:
         add_intervals(config, cache_dir, art, results)
     if stop >= STAGES.index("language") and config.language.enabled:
         from bench.merging.language.track import run_language_track
