@@ -234,3 +234,27 @@ def test_cuda_run_without_a_gpu_is_one_line(tmp_path):
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "no CUDA device" in lines[0] and "--device cpu" in lines[0], result.output
     assert not (tmp_path / "cache" / "tasks").exists()
+
+
+def test_a_picture_redrawn_from_results_json_keeps_the_runs_order_of_variants(tmp_path):
+    from bench.merging.report.plots import _variant_rows, plot_deltas
+
+    def row(anchor: str) -> dict:
+        return {"anchor": anchor, "setting": "data_free", "delta_main": [0.001, -0.002, 0.004]}
+
+    config = {
+        "variants": [{"name": "zeta", "anchors": ["ties", "ace"]}, {"name": "alpha", "anchors": ["iso_cts"]}]
+    }
+    results = {
+        "name": "run",
+        "config": config,
+        "variants": {"zeta": {"ties": row("ties"), "ace": row("ace")}, "alpha": {"iso_cts": row("iso_cts")}},
+    }
+    # results.json is written with sorted keys: read back, the variants and their anchors come alphabetically
+    results = json.loads(json.dumps(results, sort_keys=True))
+    assert [(name, r["anchor"]) for name, r in _variant_rows(results)] == [
+        ("zeta", "ties"),
+        ("zeta", "ace"),
+        ("alpha", "iso_cts"),
+    ]
+    assert plot_deltas(results, tmp_path / "deltas.png").stat().st_size > 0
