@@ -105,6 +105,21 @@ def _signed(figure: list[float] | None) -> str:
     return f"{100 * estimate:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
 
 
+def variant_rows(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every variant row in the config's order (variants, then their anchors): the report and its
+    pictures read alike whether the results are fresh or read back from JSON written with sorted keys."""
+    variants = results.get("variants") or {}
+    specs = {v["name"]: v.get("anchors") or [] for v in (results.get("config") or {}).get("variants") or []}
+    names = [n for n in specs if n in variants] + [n for n in variants if n not in specs]
+    out = []
+    for name in names:
+        anchors = specs.get(name, [])
+        rank = {anchor: i for i, anchor in enumerate(anchors)}
+        rows = sorted(variants[name].values(), key=lambda r: rank.get(r["anchor"], len(anchors)))
+        out += [(name, row) for row in rows]
+    return out
+
+
 def variants_markdown(results: dict[str, Any]) -> str:
     """One line per variant cell: its change, validation and test against the main search's."""
     lines = [
@@ -115,23 +130,20 @@ def variants_markdown(results: dict[str, Any]) -> str:
         "Δ test vs theirs | Δ test vs anchor | Δ test vs best anchor |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, rows in results.get("variants", {}).items():
-        for row in rows.values():
-            fields = row["variant"].items()
-            change = ", ".join(
-                f"{k} {v}" for k, v in fields if k not in ("name", "against") and v is not None
-            )
-            against = row["variant"].get("against") or "main search"
-            main_validation = row.get("main_validation_avg")
-            main_test = row.get("main_avg")
-            lines.append(
-                f"| {name} | {change or '—'} | {against} | {row['anchor']} | {row['setting']} | "
-                f"{row['trials']} | "
-                f"{100 * row['validation_avg']:.1f}"
-                + (f" ({100 * main_validation:.1f})" if main_validation is not None else "")
-                + f" | {100 * row['avg']:.1f}"
-                + (f" ({100 * main_test:.1f})" if main_test is not None else "")
-                + f" | {_signed(row.get('delta_main'))} | {_signed(row.get('delta_anchor'))} "
-                f"| {_signed(row.get('delta_best_anchor'))} |"
-            )
+    for name, row in variant_rows(results):
+        fields = row["variant"].items()
+        change = ", ".join(f"{k} {v}" for k, v in fields if k not in ("name", "against") and v is not None)
+        against = row["variant"].get("against") or "main search"
+        main_validation = row.get("main_validation_avg")
+        main_test = row.get("main_avg")
+        lines.append(
+            f"| {name} | {change or '—'} | {against} | {row['anchor']} | {row['setting']} | "
+            f"{row['trials']} | "
+            f"{100 * row['validation_avg']:.1f}"
+            + (f" ({100 * main_validation:.1f})" if main_validation is not None else "")
+            + f" | {100 * row['avg']:.1f}"
+            + (f" ({100 * main_test:.1f})" if main_test is not None else "")
+            + f" | {_signed(row.get('delta_main'))} | {_signed(row.get('delta_anchor'))} "
+            f"| {_signed(row.get('delta_best_anchor'))} |"
+        )
     return "\n".join(lines)

@@ -237,7 +237,8 @@ def test_cuda_run_without_a_gpu_is_one_line(tmp_path):
 
 
 def test_a_picture_redrawn_from_results_json_keeps_the_runs_order_of_variants(tmp_path):
-    from bench.merging.report.plots import _variant_rows, plot_deltas
+    from bench.merging.report.plots import plot_deltas
+    from bench.merging.variants import variant_rows
 
     def row(anchor: str) -> dict:
         return {"anchor": anchor, "setting": "data_free", "delta_main": [0.001, -0.002, 0.004]}
@@ -252,7 +253,7 @@ def test_a_picture_redrawn_from_results_json_keeps_the_runs_order_of_variants(tm
     }
     # results.json is written with sorted keys: read back, the variants and their anchors come alphabetically
     results = json.loads(json.dumps(results, sort_keys=True))
-    assert [(name, r["anchor"]) for name, r in _variant_rows(results)] == [
+    assert [(name, r["anchor"]) for name, r in variant_rows(results)] == [
         ("zeta", "ties"),
         ("zeta", "ace"),
         ("alpha", "iso_cts"),

@@ -7,6 +7,7 @@ from typing import Any
 
 from bench.merging.report.cells import ANCHOR_LABELS
 from bench.merging.report.rows import find_row
+from bench.merging.variants import variant_rows
 
 
 def plot_expert_curves(results: dict[str, Any], path: Path) -> Path | None:
@@ -118,7 +119,7 @@ def plot_deltas(results: dict[str, Any], path: Path) -> Path | None:
     """Paired test Δ with 95 % intervals at a glance: BMM (searched, and at its defaults) against its
     anchor per mode, and each variant against the search it is paired with."""
     cells = [c for c in results.get("summary") or [] if c["anchor"] != "pretrained"]
-    variants = [(name, row) for name, row in _variant_rows(results) if row.get("delta_main")]
+    variants = [(name, row) for name, row in variant_rows(results) if row.get("delta_main")]
     if not cells and not variants:
         return None
     plt = _pyplot()
@@ -164,24 +165,6 @@ def plot_deltas(results: dict[str, Any], path: Path) -> Path | None:
         ax.set_xlabel("test Δ vs the search it is paired with (green: ahead on validation)")
     fig.suptitle(f"{results['name']}: paired test differences, 95 % intervals", fontsize=10)
     return _save(fig, path, dpi=110)
-
-
-def _variant_rows(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """Each variant's rows in the config's order (variants, then their anchors): results.json is
-    written with sorted keys, and a picture redrawn from it should read as the run's report does."""
-    specs = {v["name"]: v for v in (results.get("config") or {}).get("variants") or []}
-    order = list(specs)
-    out = []
-    for name in sorted(
-        results.get("variants") or {}, key=lambda n: order.index(n) if n in order else len(order)
-    ):
-        anchors = specs.get(name, {}).get("anchors") or []
-        rows = results["variants"][name].values()
-        for row in sorted(
-            rows, key=lambda r: anchors.index(r["anchor"]) if r["anchor"] in anchors else len(anchors)
-        ):
-            out.append((name, row))
-    return out
 
 
 def _whisker(ax, y: float, figure, **style) -> None:
