@@ -105,7 +105,11 @@ def test_non_body_tensors_get_the_anchor():
 def test_conv1d_weights_are_solved_in_their_own_orientation():
     base, experts = inputs(shape=(8, 24))  # GPT-2 Conv1D: (in=8, out=24)
     name = "transformer.h.0.mlp.c_fc.weight"
-    got = bmm([base, *experts], name=name, anchor_method="pretrained", **{"lambda": 0.1})
+    with pytest.raises(TensorInputError, match="set `weight_layout: out_in`"):  # no architecture: no guess
+        bmm([base, *experts], name=name, anchor_method="pretrained", **{"lambda": 0.1})
+    got = bmm(
+        [base, *experts], name=name, anchor_method="pretrained", weight_layout="in_out", **{"lambda": 0.1}
+    )
     vectors = [(e - base).T for e in experts]  # (out, in)
     expected = reference_solve(vectors, torch.zeros(24, 8), 0.1).T
     assert relative_error(got - base, expected) < 1e-5

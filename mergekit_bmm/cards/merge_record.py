@@ -52,6 +52,10 @@ class MergeRecord(BaseModel):
     recipe_file: str = RECIPE_FILE
     recipe_sha256: str
     inputs: list[InputRecord] = Field(default_factory=list)
+    kept_at_anchor: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="why -> names of the tensors bmm did not solve (they hold the anchor's value)",
+    )
 
 
 def recipe_digest(text: str) -> str:
@@ -95,7 +99,11 @@ def _versions() -> tuple[str, str]:
 
 
 def make_record(
-    folder: str | Path, recipe_text: str, merge_method: str, inputs: Sequence[InputRecord] = ()
+    folder: str | Path,
+    recipe_text: str,
+    merge_method: str,
+    inputs: Sequence[InputRecord] = (),
+    kept_at_anchor: dict[str, list[str]] | None = None,
 ) -> MergeRecord:
     """The record of ``folder`` as it is now (call it right after the weights are written)."""
     folder = Path(folder)
@@ -113,6 +121,7 @@ def make_record(
         weight_sha256=weight_hashes(folder),
         recipe_sha256=recipe_digest(recipe_text),
         inputs=list(inputs),
+        kept_at_anchor=kept_at_anchor or {},
     )
 
 
@@ -146,12 +155,17 @@ def input_records(view: RecipeView) -> list[InputRecord]:
     ]
 
 
-def record_merge(out_dir: str | Path, recipe_text: str, view: RecipeView | None = None) -> MergeRecord:
+def record_merge(
+    out_dir: str | Path,
+    recipe_text: str,
+    view: RecipeView | None = None,
+    kept_at_anchor: dict[str, list[str]] | None = None,
+) -> MergeRecord:
     """Fingerprint the just-written weights and recipe into ``out_dir/mergekit_bmm_merge.json``."""
     from mergekit_bmm.cards.recipe_view import view_of
 
     out_dir = Path(out_dir)
     view = view or view_of(recipe_text, out_dir)
-    record = make_record(out_dir, recipe_text, view.merge_method, input_records(view))
+    record = make_record(out_dir, recipe_text, view.merge_method, input_records(view), kept_at_anchor)
     write_record(out_dir, record)
     return record

@@ -307,7 +307,9 @@ def weight_from_factors(
     basis = factors.basis.to(weighted.dtype)
     start = _anchor_plus(factors, base, scale, transposed)
     left, right = (basis, weighted.T) if transposed else (weighted, basis.T)
-    merged = torch.addmm(start, left, right, alpha=scale)
+    # One memory layout whatever produced the factors (filled in memory or read from the cache):
+    # BLAS picks its kernel, and so the rounding, by the operands' strides.
+    merged = torch.addmm(start, left.contiguous(), right.contiguous(), alpha=scale)
     return merged.to(base.dtype)
 
 

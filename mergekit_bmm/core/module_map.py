@@ -11,7 +11,13 @@ order, as ``filter:`` entries, so a tensor's λ in YAML is the λ of its group h
 GPT-2's ``Conv1D`` stores weights as (in, out); rules for it carry ``in_out`` and the
 merge transposes before solving. The same names are ordinary ``nn.Linear`` (out, in)
 in some other architectures (gpt_bigcode, starcoder2), so the layout is decided by the
-checkpoint's ``model_type`` when it is known.
+checkpoint's ``model_type``; when that is unknown the layout is :data:`UNKNOWN_LAYOUT` and
+the merge refuses the tensor instead of guessing.
+
+Mixture-of-experts layers reach a method as 3-D stacks (``mlp.experts.gate_up_proj`` of
+shape (E, out, in), as transformers 5 and mergekit 0.1.5 hold them) or, in older layouts,
+as one 2-D weight per expert (``experts.3.w1.weight``). Both are classified here; a stack's
+:attr:`ModuleInfo.experts` is True and each of its E slices is solved as its own weight.
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ RULES: tuple[GroupRule, ...] = (
     GroupRule("mlp.gate.weight", None),
     GroupRule("shared_expert_gate", None),
     GroupRule("router", None),
+    # Norm weights are not linear maps even where they are 2-D (Cohere's per-head q/k norms).
+    GroupRule("norm.", None),
+    GroupRule("Norm.", None),
     # attention output
     GroupRule("o_proj", _A_OUT),  # Llama, Mistral, Qwen, Gemma, Phi-3, ...
     GroupRule("self_attn.out_proj", _A_OUT),  # OPT, BART-style decoders
@@ -89,21 +98,37 @@ RULES: tuple[GroupRule, ...] = (
 )
 
 # Where Conv1D (in, out) storage is used, by checkpoint ``model_type``.
-IN_OUT_MODEL_TYPES = frozenset({"gpt2", "openai-gpt", "imagegpt", "decision_transformer"})
-# Architectures that reuse GPT-2's names with ordinary nn.Linear weights.
-OUT_IN_MODEL_TYPES = frozenset({"gpt_bigcode", "starcoder2"})
+# (transformers 5's ``Conv1D`` users); every other architecture, gpt_bigcode and starcoder2
+# among those that reuse GPT-2's names, stores nn.Linear (out, in).
+IN_OUT_MODEL_TYPES = frozenset({"gpt2", "openai-gpt", "imagegpt", "decision_transformer", "clvp"})
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
 
 
+# Mixture-of-experts stacks stored (E, in, out) rather than transformers' default (E, out, in)
+# (``use_experts_implementation(is_transposed=True)`` in transformers 5).
+IN_OUT_EXPERT_MODEL_TYPES = frozenset({"gpt_oss", "aria", "openai_privacy_filter"})
+# The projections of an expert stack: ``<prefix>.experts.<projection>`` with no ``.weight``.
+_EXPERT_STACK = re.compile(r"\.experts\.(?:gate_up_proj|gate_proj|up_proj|down_proj|w1|w2|w3)$")
+
+
+class UnknownLayout(Exception):
+    """Raised where a weight's storage layout depends on an architecture nobody named."""
+
+
 @dataclass(frozen=True)
 class ModuleInfo:
-    """Where a body weight sits and how it is stored."""
+    """Where a body weight sits and how it is stored.
+
+    ``stored_in_out`` is None when the layout depends on the architecture and the
+    architecture is unknown (GPT-2's names outside a known ``model_type``).
+    """
 
     layer: int
     group: ModuleGroup
     pattern: str
-    stored_in_out: bool
+    stored_in_out: bool | None
+    experts: bool = False
 
 
 def layer_index(name: str) -> int | None:
@@ -130,14 +155,28 @@ def matching_rule(name: str) -> GroupRule | None:
     return next((rule for rule in RULES if rule.pattern in name), None)
 
 
-def classify(name: str, model_type: str | None = None) -> ModuleInfo | None:
-    """Map a *weight* name to its layer and group; None if BMM should not solve it.
+def is_expert_stack(name: str) -> bool:
+    """Whether ``name`` is a mixture-of-experts stack (``mlp.experts.down_proj``: one slice per expert)."""
+    return bool(_EXPERT_STACK.search(name)) and layer_index(name) is not None
 
-    Only ``*.weight`` tensors inside a numbered layer qualify; callers also require the
-    tensor to be 2D. ``model_type`` (from the checkpoint's config) settles the layout of
-    GPT-2-style names; without it, GPT-2's ``transformer.h.N``/``h.N`` prefix decides.
+
+def classify(name: str, model_type: str | None = None, ndim: int = 2) -> ModuleInfo | None:
+    """Map a weight name to its layer and group; None if BMM should not solve it.
+
+    2-D ``*.weight`` tensors inside a numbered layer qualify, and 3-D expert stacks
+    (``ndim=3``; their group is the one the same substring rules give). ``model_type``
+    (from the checkpoint's config) settles the layout of GPT-2-style names and of expert
+    stacks; where it is needed and unknown, ``stored_in_out`` is None.
     """
-    if not name.endswith(".weight"):
+    if ndim == 3:
+        if not is_expert_stack(name):
+            return None
+        rule = matching_rule(name)
+        if rule is None or rule.group is None:
+            return None
+        layout = None if model_type is None else model_type in IN_OUT_EXPERT_MODEL_TYPES
+        return ModuleInfo(layer_index(name), rule.group, rule.pattern, layout, experts=True)
+    if ndim != 2 or not name.endswith(".weight"):
         return None
     layer = layer_index(name)
     if layer is None:
@@ -145,18 +184,18 @@ def classify(name: str, model_type: str | None = None) -> ModuleInfo | None:
     rule = matching_rule(name)
     if rule is None or rule.group is None:
         return None
-    return ModuleInfo(layer, rule.group, rule.pattern, _stored_in_out(rule, name, model_type))
+    return ModuleInfo(layer, rule.group, rule.pattern, _stored_in_out(rule, model_type))
 
 
-def _stored_in_out(rule: GroupRule, name: str, model_type: str | None) -> bool:
+def _stored_in_out(rule: GroupRule, model_type: str | None) -> bool | None:
     if not rule.in_out:
         return False
-    if model_type is not None:
-        if model_type in IN_OUT_MODEL_TYPES:
-            return True
-        if model_type in OUT_IN_MODEL_TYPES:
-            return False
-    return bool(re.match(r"^(?:transformer\.)?h\.\d+\.", name))
+    if model_type in IN_OUT_MODEL_TYPES:
+        return True
+    if model_type is None:
+        return None
+    # Every other architecture that reuses GPT-2's names (gpt_bigcode, starcoder2, ...) has nn.Linear.
+    return False
 
 
 def filter_rules(names: list[str] | tuple[str, ...]) -> list[GroupRule]:

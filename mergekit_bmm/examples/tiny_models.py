@@ -124,17 +124,20 @@ def perturb_as_expert(
 ) -> None:
     """Turn ``model`` (in place) into a synthetic expert: low-rank deltas plus noise.
 
-    2D weights move by ``strength`` (relative to their spread) along a rank-``rank``
-    update; every tensor also gets dense noise ``noise`` times its spread.
+    2D weights (and each expert of a 3-D expert stack) move by ``strength`` (relative to
+    their spread) along a rank-``rank`` update; every tensor also gets dense noise ``noise``
+    times its spread.
     """
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, parameter in model.named_parameters():
             spread = parameter.std() if parameter.numel() > 1 else parameter.abs().mean()
             delta = noise * float(spread or 1.0) * torch.randn(parameter.shape, generator=generator)
-            if parameter.ndim == 2 and min(parameter.shape) > rank:
-                left = torch.randn(parameter.shape[0], rank, generator=generator)
-                right = torch.randn(rank, parameter.shape[1], generator=generator)
+            if parameter.ndim in (2, 3) and min(parameter.shape[-2:]) > rank:
+                # one update per matrix; a mixture-of-experts stack (E, out, in) gets one per expert
+                stack = parameter.shape[:-2]
+                left = torch.randn(*stack, parameter.shape[-2], rank, generator=generator)
+                right = torch.randn(*stack, rank, parameter.shape[-1], generator=generator)
                 # entries of left @ right / sqrt(rank) are ~N(0, 1)
                 delta += strength * parameter.std() * (left @ right) / rank**0.5
             parameter.add_(delta.to(parameter.dtype))

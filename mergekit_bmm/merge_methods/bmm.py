@@ -1,10 +1,13 @@
 """``merge_method: bmm`` — the mergekit adapter over :mod:`mergekit_bmm.core.closed_form`.
 
 Per output tensor: 2D weights of the transformer body's linear modules get the
-anchor-regularised closed form ``W = W_pre + s·U``; every other tensor (embeddings,
-``lm_head``, norms, biases, routers, names the module map does not know) gets the
-anchor's result unchanged. Inputs arrive one tensor at a time through mergekit's lazy
-loader, so memory stays at one module's tensors (T experts + base + anchor).
+anchor-regularised closed form ``W = W_pre + s·U``; a mixture-of-experts stack (E, out, in)
+gets it once per expert, each slice its own weight with its own Grams and anchor slice;
+every other tensor (embeddings, ``lm_head``, norms, biases, routers, names the module map
+does not know) gets the anchor's result unchanged, and is counted for the end-of-merge
+summary (:mod:`~mergekit_bmm.merge_methods.kept_at_anchor`). Inputs arrive one tensor at a
+time through mergekit's lazy loader, so memory stays at one module's tensors (T experts +
+base + anchor).
 
 With ``cache: DIR`` the λ-independent eigen factors of each solved tensor are stored
 once (:mod:`~mergekit_bmm.merge_methods.factor_cache.store`, built by
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,11 +36,17 @@ from mergekit.merge_methods.base import (
 )
 
 from mergekit_bmm.core import closed_form, normal_equations
-from mergekit_bmm.core.module_map import classify, layer_index
-from mergekit_bmm.errors import NonFiniteOutputError, TensorInputError
+from mergekit_bmm.core.module_map import ModuleInfo, classify
+from mergekit_bmm.errors import ConfigError, NonFiniteOutputError, TensorInputError
 from mergekit_bmm.io.model_folder import model_type_of
+from mergekit_bmm.merge_methods import kept_at_anchor
 from mergekit_bmm.merge_methods import observer as solved_tensors
-from mergekit_bmm.merge_methods.bmm_anchor import AnchorSource, resolve_anchor_method
+from mergekit_bmm.merge_methods.bmm_anchor import (
+    AnchorSource,
+    ExpertAnchor,
+    StackAnchor,
+    resolve_anchor_method,
+)
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings, build_spec
 from mergekit_bmm.merge_methods.factor_cache import key as cache_key
 from mergekit_bmm.merge_methods.factor_cache.fill import fill_factors, thin_rank
@@ -93,16 +102,34 @@ def split_entries(group: TensorGroup, flags: Any) -> tuple[list[TensorEntry], Te
     return tasks, (anchors[0] if anchors else None)
 
 
-_warned_patterns: set[str] = set()
+def stored_in_out(weight_layout: str, info: ModuleInfo, name: str, model: Any) -> bool:
+    """Whether ``name`` is stored (in, out): the recipe's ``weight_layout``, else the checkpoint's
+    architecture; refused in one line when neither says (a guess could solve it transposed)."""
+    if weight_layout != "auto":
+        return weight_layout == "in_out"
+    if info.stored_in_out is None:
+        raise TensorInputError(
+            f"bmm: cannot tell whether {name} is stored (out, in) or (in, out): the architecture of "
+            f"{model} is unknown (its config.json could not be read, locally or from the Hub cache); "
+            "make it readable, or set `weight_layout: out_in` (nn.Linear) or `in_out` (GPT-2's Conv1D) "
+            "under the recipe's parameters"
+        )
+    return info.stored_in_out
 
 
-def _note_unsolved(name: str) -> None:
-    if layer_index(name) is None:
-        return
-    key = name.split(".weight")[0].rsplit(".", 1)[-1]
-    if key not in _warned_patterns:
-        _warned_patterns.add(key)
-        LOG.info("bmm: no module group for %s; it keeps the anchor's value", name)
+def expert_slice(group: TensorGroup, index: int) -> TensorGroup:
+    """Expert ``index`` of a mixture-of-experts stack, as its own group (named ``stack[index]``)."""
+    entries = tuple(TensorEntry(e.id, e.tensor[index], e.is_base) for e in group.entries)
+    return TensorGroup(entries, replace(group.metadata, name=f"{group.metadata.name}[{index}]"))
+
+
+def refuse_data_assisted_experts(settings: BMMSettings, name: str) -> None:
+    if settings.gram != "data_free":
+        raise ConfigError(
+            f"bmm: `gram: {settings.gram}` cannot solve the mixture-of-experts stack {name}: statistics "
+            "are not collected per expert yet; use `gram: data_free` for this model "
+            "(docs/architectures.md)"
+        )
 
 
 class BMMMerge(GroupMergeMethod):
@@ -147,19 +174,44 @@ class BMMMerge(GroupMergeMethod):
         method_name = resolve_anchor_method(settings.anchor_method, anchor_entry)
         base = group.base.tensor
         name = group.metadata.name or ""
-        info = classify(name, model_type_of(group.base.id)) if base.ndim == 2 else None
+        info = classify(name, model_type_of(group.base.id), base.ndim)
         cache = FactorCache(settings.cache) if settings.cache else None
         source = AnchorSource(
             group, tuple(tasks), anchor_entry, method_name, parameters, settings.anchor_seed
         )
         if info is None or not tasks:
-            if base.ndim == 2 and info is None:
-                _note_unsolved(name)
+            kind = "no_experts" if info is not None else kept_at_anchor.kind_of(name, base.ndim)
+            kept_at_anchor.note(name, kind)
             return self.unsolved(settings, source, cache).to(base.dtype)
 
-        transpose = _stored_in_out(settings.weight_layout, info.stored_in_out)
+        transpose = stored_in_out(settings.weight_layout, info, name, group.base.id)
+        if info.experts:
+            return self._merge_experts(group, source, settings, transpose, cache)
         solve = _Solve(name, group, tuple(tasks), source, settings, transpose, self.normal_equations)
         return solve.direct() if cache is None else solve.cached(cache)
+
+    def _merge_experts(
+        self,
+        group: TensorGroup,
+        source: AnchorSource,
+        settings: BMMSettings,
+        transpose: bool,
+        cache: FactorCache | None,
+    ) -> torch.Tensor:
+        """Each expert of an (E, out, in) stack solved as its own weight; the anchor is computed
+        once for the whole stack (only if a slice needs it) and sliced."""
+        refuse_data_assisted_experts(settings, group.metadata.name or "")
+        whole = StackAnchor(lambda: self.unsolved(settings, source, cache))
+        merged = []
+        for index in range(group.base.tensor.shape[0]):
+            part = expert_slice(group, index)
+            tasks = tuple(entry for entry in part.entries if entry.id in {t.id for t in source.tasks})
+            anchor = ExpertAnchor(source, part, tasks, index, whole)
+            solve = _Solve(
+                part.metadata.name, part, tasks, anchor, settings, transpose, self.normal_equations
+            )
+            merged.append(solve.direct() if cache is None else solve.cached(cache))
+        return torch.stack(merged)
 
     def unsolved(
         self, settings: BMMSettings, source: AnchorSource, cache: FactorCache | None
@@ -310,11 +362,3 @@ class _Solve:
                 )  # fmt: skip
             )
         return (base_c + self.settings.scale * self.orient(merged)).to(self.base.dtype)
-
-
-def _stored_in_out(weight_layout: str, detected: bool) -> bool:
-    if weight_layout == "in_out":
-        return True
-    if weight_layout == "out_in":
-        return False
-    return detected

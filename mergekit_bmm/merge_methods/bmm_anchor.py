@@ -18,7 +18,7 @@ a generator seeded from the tensor name (crc32, stable across processes) and
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,3 +169,52 @@ class AnchorSource:
                     ) from None
                 raise
         return result.to(dtype)
+
+
+class StackAnchor:
+    """A value computed on first use and kept: a stack's anchor, shared by its experts."""
+
+    def __init__(self, compute: Callable[[], torch.Tensor]) -> None:
+        self._compute = compute
+        self._value: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._compute()
+        return self._value
+
+
+@dataclass(frozen=True)
+class ExpertAnchor:
+    """The anchor of one expert of a mixture-of-experts stack: a slice of the stack's anchor.
+
+    Has :class:`AnchorSource`'s interface over the expert's own inputs (``group``, ``tasks``,
+    ``anchor_entry``), so the solve and the factor cache treat the expert as any weight; its
+    cache key adds the expert's index to the stack's anchor.
+    """
+
+    stack: AnchorSource
+    group: TensorGroup
+    tasks: tuple[TensorEntry, ...]
+    index: int
+    whole: StackAnchor
+
+    @property
+    def anchor_entry(self) -> TensorEntry | None:
+        if self.stack.anchor_entry is None:
+            return None
+        return next(e for e in self.group.entries if e.id == self.stack.anchor_entry.id)
+
+    @property
+    def computed(self) -> bool:
+        return self.stack.computed
+
+    @property
+    def seed(self) -> int:
+        return self.stack.seed
+
+    def dependencies(self) -> dict[str, Any]:
+        return {**self.stack.dependencies(), "expert": self.index}
+
+    def weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.whole()[self.index].to(dtype)

@@ -229,8 +229,8 @@ class BMMSettings:
 
 # BMM's own parameters whose value also serves an anchor that declares the same name,
 # unless ``anchor_<name>`` is given: one statistics directory feeds both data-assisted
-# BMM and a RegMean anchor.
-SHARED_WITH_ANCHOR = frozenset({"stats"})
+# BMM and a RegMean anchor; a weight layout is a fact about the checkpoints, the same for both.
+SHARED_WITH_ANCHOR = frozenset({"stats", "weight_layout"})
 
 
 def anchor_parameters(parameters: Mapping[str, Any]) -> dict[str, Any]:
@@ -238,7 +238,7 @@ def anchor_parameters(parameters: Mapping[str, Any]) -> dict[str, Any]:
 
     ``anchor_<name>`` reaches the anchor as ``<name>`` and wins over a plain ``<name>``; a
     name BMM does not use itself passes as is; of BMM's own names only those in
-    :data:`SHARED_WITH_ANCHOR` (``stats``) pass too. Used per tensor by ``bmm`` and, on the
+    :data:`SHARED_WITH_ANCHOR` (``stats``, ``weight_layout``) pass too. Used per tensor by ``bmm`` and, on the
     recipe, by the search's anchor model, so both give the anchor the same parameters.
     """
     forwarded = {

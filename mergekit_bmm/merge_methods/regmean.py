@@ -58,6 +58,12 @@ class RegMeanMerge(TaskVectorMethod):
                 "mergekit-bmm-stats) to the recipe's parameters"
             )
 
+    def check_experts(self, name):
+        raise ConfigError(
+            f"regmean cannot merge the mixture-of-experts stack {name}: statistics are not collected "
+            "per expert yet; use a data-free method (or anchor) for this model (docs/architectures.md)"
+        )
+
     def merge_matrix(self, task_vectors, group, tasks, parameters):
         from mergekit_bmm.stats.store import activation_grams_for
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_bmm.io.versions import mergekit_version
+from mergekit_bmm.merge_methods import kept_at_anchor
 
 LOG = logging.getLogger("mergekit_bmm")
 
@@ -155,12 +156,15 @@ def _has_run_merge(merge_module) -> bool:
     return names[:4] == ["merge_config", "out_path", "options", "config_source"]
 
 
-def write_plugin_card(out_dir: Path, merge_config: Any, config_yaml: str) -> None:
-    """The merge record, the plugin's card and ``mergekit_config.yml`` of a finished merge."""
+def write_plugin_card(
+    out_dir: Path, merge_config: Any, config_yaml: str, kept: dict[str, list[str]] | None = None
+) -> None:
+    """The merge record (with the tensors kept at the anchor), the plugin's card and
+    ``mergekit_config.yml`` of a finished merge."""
     from mergekit_bmm.cards import card
 
     try:
-        card.record_merge(out_dir, config_yaml)
+        card.record_merge(out_dir, config_yaml, kept_at_anchor=kept or {})
     except Exception as error:
         LOG.warning("mergekit-bmm: could not write the merge record: %s", error)
     try:
@@ -181,6 +185,7 @@ def _install_merge_wrapper(merge_module) -> None:
     @functools.wraps(original)
     def run_merge(merge_config, out_path, options, config_source=None, *args, **kwargs):
         ours = getattr(merge_config, "merge_method", None) in method_names()
+        kept_at_anchor.reset()
         card = ours and bool(getattr(options, "write_model_card", False))
         if card:  # written here, after the weights: mergekit's card would ask the Hub
             options = options.model_copy(update={"write_model_card": False})
@@ -190,8 +195,10 @@ def _install_merge_wrapper(merge_module) -> None:
                 result = original(merge_config, out_path, options, config_source, *args, **kwargs)
         else:
             result = original(merge_config, out_path, options, config_source, *args, **kwargs)
+        kept = kept_at_anchor.drained()
+        kept_at_anchor.log_summary(kept)
         if card:  # mergekit's own rule: the recipe text, else the configuration as it ends the merge
-            write_plugin_card(Path(out_path), merge_config, config_source or merge_config.to_yaml())
+            write_plugin_card(Path(out_path), merge_config, config_source or merge_config.to_yaml(), kept)
         return result
 
     setattr(run_merge, _MARK, True)

@@ -137,6 +137,12 @@ class Sampler:
     def __call__(self, solved: SolvedTensor) -> None:
         if not self.request.selects(solved.name):
             return
+        if solved.name.endswith("]"):  # one expert of a mixture-of-experts stack (bmm's `stack[index]`)
+            stack = solved.name.rsplit("[", 1)[0]
+            raise ConfigError(
+                f"mergekit-bmm-sample cannot sample the mixture-of-experts stack {stack} yet; give a "
+                "--filter that leaves the experts out (e.g. self_attn)"
+            )
         merged = solved.merged
         shape = tuple(merged.shape)
         factor, record = self._noise_model(solved)

@@ -196,27 +196,39 @@ class ResidentModel:
             dtype = dtype_from_name(out_dtype) if out_dtype else value.dtype
             with torch.no_grad():
                 target.copy_(value.to(dtype))
-            if name not in reported:
-                return
-            report, factors, size = reported.pop(name)
-            self.solved[name] = SolvedParameter(
-                name=name,
-                target=target,
-                base=report.base.to(self.device),
-                factors=factors,
-                factor_bytes=size,
-                reload=report.reload,
-                transposed=report.transposed,
-                lambda_mode=report.lambda_mode,
-                out_dtype=dtype,
-                block=self.space.block_of(layer_index(name)),
-                group=classify(name, model_type).group.value,
+            # a mixture-of-experts stack was solved expert by expert: its slices were reported
+            parts = (
+                [(name, target)]
+                if value.ndim < 3
+                else [(f"{name}[{i}]", target[i]) for i in range(len(value))]
             )
+            info = classify(name, model_type, value.ndim)
+            for part, part_target in parts:
+                if part not in reported:
+                    continue
+                report, factors, size = reported.pop(part)
+                self.solved[part] = SolvedParameter(
+                    name=part,
+                    target=part_target,
+                    base=report.base.to(self.device),
+                    factors=factors,
+                    factor_bytes=size,
+                    reload=report.reload,
+                    transposed=report.transposed,
+                    lambda_mode=report.lambda_mode,
+                    out_dtype=dtype,
+                    block=self.space.block_of(layer_index(name)),
+                    group=info.group.value,
+                )
 
         with observer.listening(on_factored=on_factored):
             recipe_run.merge_recipe_in_memory(recipe_text, options, on_tensor)
         if not self.solved:
             raise ResidentUnsupported("the merge solved no tensor through bmm's factor cache")
+        if reported:  # a solved tensor the loaded model does not hold: trials would not re-solve it
+            raise ResidentUnsupported(
+                f"{next(iter(reported))} was solved but has no place in the loaded model"
+            )
         if unplaced:
             LOG.info(
                 "resident trials: %d merged tensors are not part of the evaluated model (e.g. %s)",
