@@ -99,6 +99,7 @@ def _find_bmm_error(error: BaseException | None) -> BMMError | None:
 
 
 _SHAPES = re.compile(r"\((\d+(?:, \d+)*),?\)")
+_MISSING_TENSOR = re.compile(r"Tensor (?P<tensor>\S+) required but not present in model (?P<model>\S+)")
 
 
 def _size_mismatch(error: ValueError) -> TensorInputError:
@@ -148,6 +149,13 @@ def _library_error(error: BaseException) -> BMMError | None:
         return ConfigError(f"unknown merge_method {shown(method)}; see mergekit-yaml's list of methods")
     if isinstance(error, ValueError) and text.startswith("Tensor size mismatch"):
         return _size_mismatch(error)
+    missing = _MISSING_TENSOR.search(text) if isinstance(error, RuntimeError) else None
+    if missing is not None:
+        return TensorInputError(
+            f"mergekit's architecture definition requires tensor {missing['tensor']}, which "
+            f"{missing['model']} does not hold; this is mergekit's limit, not bmm's (every merge method "
+            "stops here): see docs/architectures.md for the architectures mergekit cannot read"
+        )
     if isinstance(error, OSError) and "Repo id must be in the form" in text:
         name = text.rsplit(": '", 1)[-1].split("'", 1)[0] if ": '" in text else "a model path"
         return ConfigError(f"{shown(name)} is neither a local model folder nor a Hub repo id; fix the path")
@@ -192,10 +200,30 @@ def unexpected_line(error: BaseException) -> str:
 
 
 _previous_hook = None
+# Whether the merge under way in this process uses one of the plugin's methods (None: no merge
+# has started). Set by the merge wrapper; a merge of mergekit's own methods keeps mergekit's errors.
+_merge_is_ours: bool | None = None
+
+
+def merge_started(ours: bool) -> None:
+    """Say whose merge this process runs, so a failure is shown as that merge's."""
+    global _merge_is_ours
+    _merge_is_ours = ours
+
+
+def _raised_by_us(error: BaseException | None) -> bool:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, BMMError):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _excepthook(kind: type[BaseException], error: BaseException, traceback: TracebackType | None) -> None:
-    if not issubclass(kind, Exception):
+    if not issubclass(kind, Exception) or (_merge_is_ours is False and not _raised_by_us(error)):
+        # a mergekit method's recipe failed in mergekit: its error, as mergekit shows it
         (_previous_hook or sys.__excepthook__)(kind, error, traceback)
         return
     ours = _find_bmm_error(error)

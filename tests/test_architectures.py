@@ -122,3 +122,142 @@ def test_bmm_solves_every_architecture_as_a_float64_reference(
         output = merged_model(input_ids=torch.tensor([[1, 5, 9, 12, 3]]))
     hidden = output.logits if hasattr(output, "logits") else output.last_hidden_state
     assert torch.isfinite(hidden).all()
+
+
+def test_gpt_bigcode_by_hub_id_is_solved_as_by_local_path(tmp_path, monkeypatch, one_torch_thread):
+    """The layout of GPT-2's names (c_attn, c_fc, c_proj) comes from the checkpoint's config, read
+    from the Hub cache for a Hub id; gpt_bigcode stores them as nn.Linear (out, in)."""
+    import huggingface_hub
+    from hf_cache import lay_out
+    from mergekit.common import ModelReference
+    from mergekit.merge_methods.api import merge_tensors
+
+    from mergekit_bmm.errors import TensorInputError
+    from mergekit_bmm.examples.architectures import make_architecture_family
+    from mergekit_bmm.io import model_folder
+
+    family = make_architecture_family(tmp_path / "bigcode", "gpt_bigcode")
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    model_folder._hub_model_type.cache_clear()
+    folders = [family.base, *family.experts]
+    name = "transformer.h.0.mlp.c_fc.weight"
+    tensors = [load_tensor(folder, name) for folder in folders]
+    by_path = [ModelReference.model_validate({"model": {"path": str(f)}}) for f in folders]
+    by_id = [ModelReference.model_validate({"model": {"path": f"org/{f.name}"}}) for f in folders]
+    parameters = {"anchor_method": "task_arithmetic", "weight": WEIGHT, "lambda": LAMBDA}
+
+    def merged(ids):
+        return merge_tensors(tensors, "bmm", base_index=0, name=name, ids=ids, parameters=parameters)
+
+    with pytest.raises(TensorInputError, match="cannot tell whether .* stored"):  # not cached: no guess
+        merged(by_id)
+    for folder in folders:
+        lay_out(cache, f"org/{folder.name}", folder)
+    model_folder._hub_model_type.cache_clear()
+    assert torch.equal(merged(by_id), merged(by_path))
+    vectors = [t.double() - tensors[0].double() for t in tensors[1:]]
+    gram, cross = sum(v.T @ v for v in vectors), sum(v @ v.T @ v for v in vectors)
+    expected = tensors[0].double() + ridge_solve(gram, cross, WEIGHT * sum(vectors), LAMBDA)
+    assert relative_error(merged(by_id), expected) < 1e-5
+
+
+def load_tensor(folder: Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        return handle.get_tensor(name)
+
+
+def test_mergekits_own_limits_stay_mergekits(families, tmp_path):
+    """gpt_neox as transformers 5 saves it lacks buffers mergekit's definition requires: every method
+    fails inside mergekit. A `ties` recipe gets mergekit's own error; a `bmm` recipe one line that says
+    whose limit it is and names the tensor."""
+    import subprocess
+    import sys
+
+    family = families("gpt_neox")
+    command = str(Path(sys.executable).parent / "mergekit-yaml")
+    stderr = {}
+    for method in ("bmm", "ties"):
+        config = yaml.safe_load(recipe(family))
+        config["merge_method"] = method
+        if method == "ties":
+            config["parameters"] = {"density": 0.5}
+        path = tmp_path / f"{method}.yml"
+        path.write_text(yaml.safe_dump(config))
+        done = subprocess.run([command, str(path), str(tmp_path / method)], capture_output=True, text=True)
+        assert done.returncode != 0
+        stderr[method] = done.stderr
+    bmm_lines = [line for line in stderr["bmm"].splitlines() if "error" in line]
+    assert bmm_lines[-1].startswith("mergekit-bmm: error: mergekit's architecture definition requires tensor")
+    assert "not bmm's" in bmm_lines[-1]
+    assert "mergekit-bmm" not in stderr["ties"] and "Traceback" in stderr["ties"]
+    assert MERGEKIT_CANNOT["gpt_neox"] in stderr["ties"]
+
+
+def test_a_moe_merge_through_the_factor_cache_equals_the_direct_one_and_says_what_kept_the_anchor(
+    families, tmp_path, one_torch_thread
+):
+    from mergekit_bmm.cards.merge_record import read_record
+
+    family = families("qwen3_moe")
+    direct, cached = tmp_path / "direct", tmp_path / "cached"
+    merge_recipe_text(recipe(family), direct, source="direct")
+    config = yaml.safe_load(recipe(family))
+    config["parameters"]["cache"] = str(tmp_path / "cache")
+    for _ in range(2):  # fills the cache, then reads it
+        merge_recipe_text(yaml.safe_dump(config), cached, source="cached")
+    import safetensors.torch
+
+    one = safetensors.torch.load_file(str(direct / "model.safetensors"))
+    two = safetensors.torch.load_file(str(cached / "model.safetensors"))
+    stacks = [name for name, tensor in one.items() if tensor.ndim == 3]
+    assert stacks and all(relative_error(two[name], one[name]) < 1e-5 for name in one)
+    kept = read_record(direct).kept_at_anchor
+    assert "model.layers.0.mlp.gate.weight" in kept["routers"]
+    assert "model.embed_tokens.weight" in kept["outside_layers"]
+    assert not set(stacks) & {name for names in kept.values() for name in names}
+
+
+@pytest.mark.parametrize("gram", ["activations", "mix"])
+def test_data_assisted_bmm_refuses_expert_stacks_in_one_line(gram, tmp_path):
+    from mergekit.merge_methods.api import merge_tensors
+
+    from mergekit_bmm.errors import ConfigError
+
+    stacks = [torch.randn(4, 8, 6) for _ in range(3)]
+    name = "model.layers.0.mlp.experts.down_proj"
+    parameters = {"gram": gram, "stats": str(tmp_path), "weight_layout": "out_in"}
+    with pytest.raises(ConfigError, match=f"`gram: {gram}` cannot solve the mixture-of-experts stack {name}"):
+        merge_tensors(stacks, "bmm", base_index=0, name=name, parameters=parameters)
+
+
+def test_a_search_over_a_moe_scores_resident_trials_as_merged_folders(families, tmp_path, one_torch_thread):
+    """Resident trials re-solve each expert of a stack in place: the same scores as merging to disk."""
+    from mergekit_bmm.search import SearchOptions, parse_search_config, run_search
+
+    family = families("qwen3_moe")
+    tests = Path(__file__).parent
+    results = {}
+    for trials in ("memory", "disk"):
+        config = {
+            "recipe": yaml.safe_load(recipe(family)),
+            "blocks": 1,
+            "strategy": "random",
+            "budget": 2,
+            "trials": trials,
+            "evaluator": {
+                "type": "python",
+                "callable": "search_objectives:per_task_scores",
+                "python_path": [str(tests)],
+            },
+        }
+        options = SearchOptions(progress=False, device="cpu", plots=False, skip_best=True)
+        results[trials] = run_search(parse_search_config(config, tests), tmp_path / trials, options)
+    assert results["memory"].summary.trials == "memory"
+    assert results["memory"].summary.memory_plan["solved"] == 2 * (
+        4 + 2 * 4
+    )  # attention + 4 experts × 2 stacks
+    assert [r.per_task for r in results["memory"].records] == [r.per_task for r in results["disk"].records]

@@ -7,6 +7,7 @@ count, e.g. GPT-2's ``n_layer``), tensor names from the safetensors headers alon
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -45,15 +46,45 @@ def model_config(reference: str | Path) -> Any:
 
 
 def model_type_of(reference: Any) -> str | None:
-    """``model_type`` of a local model folder (or a mergekit ModelReference); None if unknown."""
+    """``model_type`` of a model folder or Hub id (or a mergekit ModelReference); None if unknown.
+
+    A Hub id's ``config.json`` is read through huggingface_hub: the cache first, the Hub only
+    when that misses and the process is online. The storage layout of some weights depends on
+    this answer, so it is never guessed from tensor names.
+    """
     model = getattr(reference, "model", None)
     path = getattr(model, "path", reference)
-    if not isinstance(path, (str, Path)) or not (model_dir(path) / "config.json").is_file():
+    if not isinstance(path, (str, Path)):
         return None
-    try:
-        return getattr(model_config(path), "model_type", None) or None
-    except ConfigError:
+    if (model_dir(path) / "config.json").is_file():
+        try:
+            return getattr(model_config(path), "model_type", None) or None
+        except ConfigError:
+            return None
+    from mergekit_bmm.io.hub_ids import looks_like_repo_id
+
+    repo_id = str(path).split("+", 1)[0]
+    if not looks_like_repo_id(repo_id) or Path(repo_id).exists():
         return None
+    return _hub_model_type(repo_id, getattr(model, "revision", None))
+
+
+@lru_cache(maxsize=64)
+def _hub_model_type(repo_id: str, revision: str | None) -> str | None:
+    from huggingface_hub import constants, hf_hub_download
+
+    for local_only in (True, False):
+        if not local_only and constants.HF_HUB_OFFLINE:
+            break
+        try:
+            path = hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=local_only)
+        except Exception:  # not cached, not reachable, no such repo: the layout stays unknown
+            continue
+        try:
+            return json.loads(Path(path).read_text(encoding="utf-8")).get("model_type") or None
+        except (OSError, ValueError):
+            return None
+    return None
 
 
 def num_layers_of(reference: str | Path) -> int:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mergekit_bmm.errors import merge_started
 from mergekit_bmm.io.versions import mergekit_version
 from mergekit_bmm.merge_methods import kept_at_anchor
 
@@ -185,6 +186,7 @@ def _install_merge_wrapper(merge_module) -> None:
     @functools.wraps(original)
     def run_merge(merge_config, out_path, options, config_source=None, *args, **kwargs):
         ours = getattr(merge_config, "merge_method", None) in method_names()
+        merge_started(ours)
         kept_at_anchor.reset()
         card = ours and bool(getattr(options, "write_model_card", False))
         if card:  # written here, after the weights: mergekit's card would ask the Hub
