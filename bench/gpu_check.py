@@ -141,7 +141,7 @@ def accuracy(models: Path, scratch: Path, device: str, size: str) -> list[dict]:
 
 
 # -- 2. speed -----------------------------------------------------------------------------
-def speed(models: Path, scratch: Path, device: str, size: str) -> dict:
+def speed(models: Path, scratch: Path, device: str, size: str, only: list[str] | None = None) -> dict:
     fam = family(models, SHAPES[size]["smollm2"] or SHAPES[size]["tiny"])
     cases = {
         "task_arithmetic": recipe(fam, "task_arithmetic"),
@@ -152,8 +152,15 @@ def speed(models: Path, scratch: Path, device: str, size: str) -> dict:
         "cached trial": recipe(fam, "bmm", "task_arithmetic", cache=str(scratch / "cache"), scale=1.1),
     }
     cases["cached trial"]["parameters"]["lambda"] = 0.05
+    unknown = sorted(set(only or ()) - set(cases))
+    if unknown:
+        raise SystemExit(
+            f"--speed-cases: unknown case(s) {', '.join(unknown)}; choose from {', '.join(cases)}"
+        )
     rows = {}
     for name, spec in cases.items():
+        if only and name not in only:
+            continue
         print(f"  speed: {name} ...", flush=True)
         rows[name] = run_child(
             {"recipe": spec, "out": str(scratch / f"speed-{name.replace(' ', '_')}"), "device": device}
@@ -258,13 +265,13 @@ def _speed_table(speed_part: dict) -> list[str]:
         gpu = f"{row['peak_gpu_mib']:.0f}" if "peak_gpu_mib" in row else "-"
         lines.append(f"{name:<34}{row['seconds']:>10.2f}{row['peak_rss_mib']:>14.0f}{gpu:>14}")
     rows = speed_part["rows"]
-    lines += [
+    lines.append(
         f"closed-form floor {floor:.3f} s, fill floor {speed_part['fill_floor_seconds']:.3f} s, "
-        f"GEMM floor of a cached trial {speed_part['gemm_floor_seconds']:.3f} s",
-        "bmm over TA = TA + "
-        f"{(rows['bmm over task_arithmetic']['seconds'] - rows['task_arithmetic']['seconds']) / floor:.2f}"
-        " x floor",
-    ]
+        f"GEMM floor of a cached trial {speed_part['gemm_floor_seconds']:.3f} s"
+    )
+    if {"bmm over task_arithmetic", "task_arithmetic"} <= set(rows):  # both timed (--speed-cases)
+        extra = rows["bmm over task_arithmetic"]["seconds"] - rows["task_arithmetic"]["seconds"]
+        lines.append(f"bmm over TA = TA + {extra / floor:.2f} x floor")
     return lines
 
 
@@ -294,6 +301,10 @@ def _billion_table(big: dict) -> list[str]:
     return lines
 
 
+def _listed(text: str | None) -> list[str] | None:
+    return [item.strip() for item in text.split(",") if item.strip()] if text else None
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -306,6 +317,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=",".join(DEFAULT_PARTS),
         help=f"which parts to run, in this order (comma-separated; default: {','.join(DEFAULT_PARTS)})",
     )
+    parser.add_argument(
+        "--speed-cases",
+        default=None,
+        help="comma-separated cases of the speed part (default: all; `cached trial` reads the cache "
+        "that `cache fill` writes)",
+    )
     args = parser.parse_args(argv)
     parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -317,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
         scratch = Path(scratch)
         runners = {
             "accuracy": lambda: accuracy(args.models, scratch, args.device, size),
-            "speed": lambda: speed(args.models, scratch, args.device, size),
+            "speed": lambda: speed(args.models, scratch, args.device, size, _listed(args.speed_cases)),
             "search": lambda: search(args.models, scratch, args.device, size, args.budget),
             "search3b": lambda: search(args.models, scratch, args.device, size, args.budget, "3b"),
             "billion": lambda: billion(args.models, scratch, args.device, size),

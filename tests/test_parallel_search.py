@@ -57,14 +57,19 @@ def search(family, out: Path, **fields):
     return run_search(config, out, SearchOptions(progress=False, device="cpu", plots=False, skip_best=True))
 
 
+@pytest.fixture(scope="module")
+def serial(family, tmp_path_factory):
+    """The serial random search every parallel one is compared with (run once per module)."""
+    return search(family, tmp_path_factory.mktemp("serial"), strategy="random", budget=6, workers=1)
+
+
 def by_point(records):
     return {json.dumps(r.values, sort_keys=True): r.per_task for r in records}
 
 
-def test_local_workers_score_points_as_the_serial_search_does(family, tmp_path):
+def test_local_workers_score_points_as_the_serial_search_does(family, tmp_path, serial):
     """random proposes the same points whatever the batch size: the scores must match one for one."""
     parallel = search(family, tmp_path / "parallel", strategy="random", budget=6)
-    serial = search(family, tmp_path / "serial", strategy="random", budget=6, workers=1)
     assert [r.values for r in parallel.records] == [r.values for r in serial.records]
     assert by_point(parallel.records) == by_point(serial.records)
     assert {r.worker for r in parallel.records} == {"w0", "w1"}
@@ -91,7 +96,7 @@ def test_batched_bo_is_reproducible_and_resumes_an_open_batch(family, tmp_path):
     assert resumed.replayed == 4
 
 
-def test_a_killed_local_worker_loses_no_trial(family, tmp_path):
+def test_a_killed_local_worker_loses_no_trial(family, tmp_path, serial):
     marker = tmp_path / "killed"
     search(
         family, tmp_path / "out", strategy="random", budget=6, function="kills_its_worker_once",
@@ -100,8 +105,7 @@ def test_a_killed_local_worker_loses_no_trial(family, tmp_path):
     assert marker.exists()  # a worker really died mid-trial
     records, _ = read_trials(tmp_path / "out" / "trials.jsonl")
     assert [r.trial for r in records] == list(range(6)) and all(r.ok for r in records)
-    reference = search(family, tmp_path / "reference", strategy="random", budget=6, workers=1)
-    assert [r.per_task for r in records] == [r.per_task for r in reference.records]
+    assert [r.per_task for r in records] == [r.per_task for r in serial.records]
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -199,7 +203,9 @@ def ray_cluster():
     ray.shutdown()
 
 
-def test_ray_actors_score_points_as_the_serial_search_does_and_survive_a_kill(family, tmp_path, ray_cluster):
+def test_ray_actors_score_points_as_the_serial_search_does_and_survive_a_kill(
+    family, tmp_path, ray_cluster, serial
+):
     marker = tmp_path / "killed"
     result = search(
         family, tmp_path / "ray", strategy="random", budget=6, backend="ray",
@@ -209,7 +215,6 @@ def test_ray_actors_score_points_as_the_serial_search_does_and_survive_a_kill(fa
     records, _ = read_trials(tmp_path / "ray" / "trials.jsonl")
     assert [r.trial for r in records] == list(range(6)) and all(r.ok for r in records)
     assert {r.worker for r in records} == {"a0", "a1"} and result.summary.workers == 2
-    serial = search(family, tmp_path / "serial", strategy="random", budget=6, workers=1)
     assert [r.values for r in records] == [r.values for r in serial.records]
     assert [r.per_task for r in records] == [r.per_task for r in serial.records]
 
@@ -217,11 +222,11 @@ def test_ray_actors_score_points_as_the_serial_search_does_and_survive_a_kill(fa
 def test_a_ray_trial_past_its_time_limit_fails_and_its_actor_is_replaced(family, tmp_path, ray_cluster):
     marker = tmp_path / "hung"
     result = search(
-        family, tmp_path / "ray", strategy="random", budget=4, backend="ray", trial_timeout=5,
+        family, tmp_path / "ray", strategy="random", budget=3, backend="ray", trial_timeout=3,
         function="hangs_once", args={"marker": str(marker), "seconds": 120},
     )  # fmt: skip
     records, _ = read_trials(tmp_path / "ray" / "trials.jsonl")
-    assert [r.trial for r in records] == list(range(4))
+    assert [r.trial for r in records] == list(range(3))
     failed = [r for r in records if not r.ok]
-    assert len(failed) == 1 and failed[0].error.startswith("timeout: the trial ran past its limit of 5 s")
+    assert len(failed) == 1 and failed[0].error.startswith("timeout: the trial ran past its limit of 3 s")
     assert result.summary.status == "finished"

@@ -9,36 +9,50 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_gpu_check_runs_on_the_cpu_with_small_shapes(tmp_path):
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """One model cache for every part: each family is generated once per test run."""
+    return tmp_path_factory.mktemp("gpu-check-models")
+
+
+def _check(models, out, part: str, *extra: str) -> dict:
     from bench.gpu_check import main
 
-    out = tmp_path / "check.json"
-    main(
-        [
-            "--device",
-            "cpu",
-            "--size",
-            "small",
-            "--models",
-            str(tmp_path / "models"),
-            "--budget",
-            "2",
-            "--out",
-            str(out),
-        ]
-    )
+    main(["--device", "cpu", "--size", "small", "--models", str(models), "--budget", "2",
+          "--parts", part, "--out", str(out), *extra])  # fmt: skip
     result = json.loads(out.read_text())
-    assert {row["case"] for row in result["accuracy"]} == {
+    assert "GPU check on CPU" in result["report"] and list(result["seconds"]) == [part]
+    return result[part]
+
+
+# One test per part (the whole check is `--parts accuracy,speed,search,billion`, the default).
+def test_gpu_check_accuracy_on_the_cpu_with_small_shapes(models, tmp_path):
+    accuracy = _check(models, tmp_path / "check.json", "accuracy")
+    assert {row["case"] for row in accuracy} == {
         "data_free", "activations", "mix", "ace anchor", "balance mix",
     }  # fmt: skip
-    assert all(row["tensors"] > 0 and row["max_relative_error"] < 1e-4 for row in result["accuracy"])
-    assert set(result["speed"]["rows"]) == {
-        "task_arithmetic", "ties", "bmm over task_arithmetic", "bmm over ties", "cache fill", "cached trial",
-    }  # fmt: skip
-    assert result["speed"]["gemm_floor_seconds"] > 0
-    assert result["search"]["trials"] == 2 and result["search"]["trials_mode"] == "memory"
-    assert set(result["billion"]["rows"]) == {"task_arithmetic", "bmm data-free over task_arithmetic"}
-    assert "GPU check on CPU" in result["report"]
+    assert all(row["tensors"] > 0 and row["max_relative_error"] < 1e-4 for row in accuracy)
+
+
+@pytest.mark.parametrize(
+    "cases",  # each case is a merge in a child process: two halves, so no test runs past 30 s
+    ["task_arithmetic,ties,bmm over task_arithmetic", "bmm over ties,cache fill,cached trial"],
+)
+def test_gpu_check_speed_on_the_cpu_with_small_shapes(models, tmp_path, cases):
+    speed = _check(models, tmp_path / "check.json", "speed", "--speed-cases", cases)
+    assert set(speed["rows"]) == set(cases.split(","))
+    assert all(row["seconds"] > 0 for row in speed["rows"].values())
+    assert speed["gemm_floor_seconds"] > 0
+
+
+def test_gpu_check_search_on_the_cpu_with_small_shapes(models, tmp_path):
+    search = _check(models, tmp_path / "check.json", "search")
+    assert search["trials"] == 2 and search["trials_mode"] == "memory"
+
+
+def test_gpu_check_billion_on_the_cpu_with_small_shapes(models, tmp_path):
+    billion = _check(models, tmp_path / "check.json", "billion")
+    assert set(billion["rows"]) == {"task_arithmetic", "bmm data-free over task_arithmetic"}
 
 
 def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path):
