@@ -202,10 +202,11 @@ class BMMMerge(GroupMergeMethod):
         once for the whole stack (only if a slice needs it) and sliced."""
         refuse_data_assisted_experts(settings, group.metadata.name or "")
         whole = StackAnchor(lambda: self.unsolved(settings, source, cache))
+        task_ids = {task.id for task in source.tasks}
         merged = []
         for index in range(group.base.tensor.shape[0]):
             part = expert_slice(group, index)
-            tasks = tuple(entry for entry in part.entries if entry.id in {t.id for t in source.tasks})
+            tasks = tuple(entry for entry in part.entries if entry.id in task_ids)
             anchor = ExpertAnchor(source, part, tasks, index, whole)
             solve = _Solve(
                 part.metadata.name, part, tasks, anchor, settings, transpose, self.normal_equations
