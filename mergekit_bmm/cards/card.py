@@ -26,7 +26,13 @@ from typing import Any
 from mergekit_bmm.cards.install import install_command
 from mergekit_bmm.cards.markdown import fence, model_link, table
 from mergekit_bmm.cards.merge_record import RECIPE_FILE, RECORD_FILE, MergeRecord, read_record, record_merge
-from mergekit_bmm.cards.method_sections import PAPER_TITLE, PAPER_URL, bmm_sections, generic_method_section
+from mergekit_bmm.cards.method_sections import (
+    PAPER_TITLE,
+    PAPER_URL,
+    bmm_sections,
+    evidence_section,
+    generic_method_section,
+)
 from mergekit_bmm.cards.recipe_view import InputModel, RecipeView, view_of
 from mergekit_bmm.cards.search_section import SearchFacts, search_section
 from mergekit_bmm.errors import ConfigError
@@ -107,6 +113,7 @@ def render_card(
     intro += " chosen by a hyperparameter search." if search is not None else "."
     lines = ["---", front_matter(view).rstrip(), "---", f"# {name}", "", intro, ""]
     lines += bmm_sections(view) if view.merge_method == "bmm" else generic_method_section(view)
+    lines += evidence_section(record.lambda_auto if record is not None else {})
     lines += models_section(view, record)
     if search is not None:
         lines += search_section(search, plots or {})

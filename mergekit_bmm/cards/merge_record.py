@@ -56,6 +56,10 @@ class MergeRecord(BaseModel):
         default_factory=dict,
         description="why -> names of the tensors bmm did not solve (they hold the anchor's value)",
     )
+    lambda_auto: dict[str, dict] = Field(
+        default_factory=dict,
+        description="weight name -> the λ `lambda: auto` chose (lambda, interval, edge, log_evidence)",
+    )
 
 
 def recipe_digest(text: str) -> str:
@@ -104,6 +108,7 @@ def make_record(
     merge_method: str,
     inputs: Sequence[InputRecord] = (),
     kept_at_anchor: dict[str, list[str]] | None = None,
+    lambda_auto: dict[str, dict] | None = None,
 ) -> MergeRecord:
     """The record of ``folder`` as it is now (call it right after the weights are written)."""
     folder = Path(folder)
@@ -122,6 +127,7 @@ def make_record(
         recipe_sha256=recipe_digest(recipe_text),
         inputs=list(inputs),
         kept_at_anchor=kept_at_anchor or {},
+        lambda_auto=lambda_auto or {},
     )
 
 
@@ -160,12 +166,33 @@ def record_merge(
     recipe_text: str,
     view: RecipeView | None = None,
     kept_at_anchor: dict[str, list[str]] | None = None,
+    lambda_auto: dict[str, dict] | None = None,
 ) -> MergeRecord:
-    """Fingerprint the just-written weights and recipe into ``out_dir/mergekit_bmm_merge.json``."""
+    """Fingerprint the just-written weights and recipe into ``out_dir/mergekit_bmm_merge.json``.
+
+    What the merge itself found (``kept_at_anchor``, ``lambda_auto``) is taken from the folder's
+    earlier record of the same weights when not given (a card rewritten after the merge)."""
     from mergekit_bmm.cards.recipe_view import view_of
 
     out_dir = Path(out_dir)
     view = view or view_of(recipe_text, out_dir)
-    record = make_record(out_dir, recipe_text, view.merge_method, input_records(view), kept_at_anchor)
+    if kept_at_anchor is None or lambda_auto is None:
+        earlier = _same_weights_record(out_dir)
+        kept_at_anchor = kept_at_anchor if kept_at_anchor is not None else earlier.get("kept_at_anchor")
+        lambda_auto = lambda_auto if lambda_auto is not None else earlier.get("lambda_auto")
+    record = make_record(
+        out_dir, recipe_text, view.merge_method, input_records(view), kept_at_anchor, lambda_auto
+    )
     write_record(out_dir, record)
     return record
+
+
+def _same_weights_record(folder: Path) -> dict:
+    """The merge's findings from ``folder``'s record, if it describes the weights there now."""
+    try:
+        earlier = read_record(folder)
+    except ConfigError:
+        return {}
+    if earlier is None or earlier.weights_fingerprint != model_fingerprint(folder):
+        return {}
+    return {"kept_at_anchor": earlier.kept_at_anchor, "lambda_auto": earlier.lambda_auto}

@@ -7,6 +7,8 @@ and module group as the merge resolved them (:mod:`mergekit_bmm.cards.recipe_vie
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Mapping
 from typing import Any
 
 from mergekit_bmm.cards.markdown import model_link, table
@@ -199,6 +201,39 @@ def bmm_sections(view: RecipeView) -> list[str]:
             "",
         ]
     return lines
+
+
+def evidence_section(chosen: Mapping[str, Mapping]) -> list[str]:
+    """The λ that ``lambda: auto`` chose, per module group (empty when λ was given)."""
+    if not chosen:
+        return []
+    from mergekit_bmm.merge_methods.chosen_lambdas import by_group, group_of
+
+    rows = []
+    for group, values in by_group(chosen).items():
+        edges = [c.get("edge") for name, c in chosen.items() if group_of(name) == group]
+        rows.append(
+            (
+                group,
+                str(len(values)),
+                f"{statistics.median(values):.3g}",
+                f"{min(values):.3g} – {max(values):.3g}",
+                str(edges.count("low")),
+                str(edges.count("high") + edges.count("flat")),
+            )
+        )
+    return [
+        "### λ chosen by the evidence",
+        "",
+        "The recipe sets `lambda: auto`: each weight's λ maximises the marginal likelihood of the "
+        "experts' outputs under BMM's prior (type-II maximum likelihood; every weight's choice and its "
+        '1-nat interval are in `mergekit_bmm_merge.json`). "low edge": the experts are fitted '
+        'exactly and the least regularisation allowed was used; "high edge": the anchor explains the '
+        "experts and was kept.",
+        "",
+        table(["group", "weights", "median λ", "range", "low edge", "high edge"], rows),
+        "",
+    ]
 
 
 def generic_method_section(view: RecipeView) -> list[str]:

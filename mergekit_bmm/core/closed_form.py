@@ -36,6 +36,7 @@ from typing import Literal
 
 import torch
 
+from mergekit_bmm.core.evidence import AUTO_LAMBDA, EvidenceChoice, EvidenceTerms, choose, terms_of
 from mergekit_bmm.core.normal_equations import NormalEquations
 from mergekit_bmm.errors import ConfigError, TensorInputError
 
@@ -137,6 +138,7 @@ class EigenFactors:
     basis_scale: torch.Tensor | None = None
     correction_scale: torch.Tensor | None = None
     anchor_scale: torch.Tensor | None = None
+    evidence: EvidenceTerms | None = None  # what λ: auto needs (None: the inputs cannot tell)
 
     @property
     def d_in(self) -> int:
@@ -150,7 +152,7 @@ class EigenFactors:
     def to(self, device: torch.device | str) -> EigenFactors:
         """The same factors on ``device`` (no copy when already there)."""
         moved = {
-            field.name: value.to(device) if isinstance(value, torch.Tensor) else value
+            field.name: value.to(device) if isinstance(value, torch.Tensor) else value  # evidence stays
             for field in fields(self)
             if (value := getattr(self, field.name)) is not None
         }
@@ -178,8 +180,21 @@ class EigenFactors:
         zeros = eigenvalues.new_zeros(missing)
         return torch.cat([zeros, eigenvalues]), torch.cat([complement, basis], dim=1)
 
-    def ridge(self, lam: float, mode: LambdaMode = "relative") -> float:
+    def ridge(self, lam: float | str, mode: LambdaMode = "relative") -> float:
+        """λ' for a number λ, or the evidence's choice for ``auto``."""
+        if lam == AUTO_LAMBDA:
+            return self.evidence_choice().ridge
         return ridge_of(lam, self.mean_eigenvalue, mode)
+
+    def evidence_choice(self) -> EvidenceChoice:
+        """The λ the evidence chooses for this weight (:mod:`mergekit_bmm.core.evidence`)."""
+        if self.evidence is None:
+            raise TensorInputError(
+                "bmm: `lambda: auto` needs the number of observations behind the Gram, which these "
+                "statistics do not record (no token counts); re-collect them with mergekit-bmm-stats, "
+                "or give lambda a number"
+            )
+        return choose(self.evidence)
 
 
 def _check_anchor(equations: NormalEquations, anchor: torch.Tensor) -> None:
@@ -210,15 +225,36 @@ def factors_in_basis(
     _check_anchor(equations, anchor)
     dtype = basis.dtype
     anchor = anchor.to(device=basis.device, dtype=dtype)
-    residual = equations.cross.to(dtype) - anchor @ equations.gram.to(dtype)
+    cross = equations.cross.to(dtype)
+    residual = cross - anchor @ equations.gram.to(dtype)
+    correction = residual @ basis
     return EigenFactors(
         basis=basis,
         eigenvalues=eigenvalues,
-        correction=residual @ basis,
+        correction=correction,
         anchor=anchor,
         mean_eigenvalue=equations.mean_eigenvalue,
         diagonal_max=_diagonal_max(equations.gram),
+        evidence=_evidence_terms(equations, anchor, cross, residual, eigenvalues, correction),
     )
+
+
+def _evidence_terms(
+    equations: NormalEquations,
+    anchor: torch.Tensor,
+    cross: torch.Tensor,
+    residual: torch.Tensor,
+    eigenvalues: torch.Tensor,
+    correction: torch.Tensor,
+) -> EvidenceTerms | None:
+    """The evidence's terms, when the equations carry their energy and observation count.
+
+    ``A = Σ_t tr((U_t − U0) G_t (U_t − U0)ᵀ) = S − ⟨U0, C⟩ − ⟨U0, C − U0 G⟩``.
+    """
+    if equations.energy is None or equations.observations is None:
+        return None
+    misfit = equations.energy - float((anchor * cross).sum()) - float((anchor * residual).sum())
+    return terms_of(eigenvalues, correction, misfit, equations.observations, equations.mean_eigenvalue)
 
 
 def eigen_factors(

@@ -18,10 +18,17 @@ from mergekit_bmm.errors import ConfigError, TensorInputError
 
 @dataclass(frozen=True)
 class NormalEquations:
-    """The λ-independent part of one merge: ``U·G = C`` before the ridge is added."""
+    """The λ-independent part of one merge: ``U·G = C`` before the ridge is added.
+
+    ``energy`` (``Σ w_t tr(U_t G_t U_tᵀ)``) and ``observations`` (per output row) are what the
+    evidence for λ needs besides ``G`` and ``C`` (:mod:`mergekit_bmm.core.evidence`); None
+    when the builder could not tell (activation statistics without token counts).
+    """
 
     gram: torch.Tensor
     cross: torch.Tensor
+    energy: float | None = None
+    observations: float | None = None
 
     def __post_init__(self) -> None:
         d_in = self.gram.shape[-1]
@@ -41,7 +48,8 @@ class NormalEquations:
         return float(torch.diagonal(self.gram).sum()) / self.d_in
 
     def scaled(self, factor: float) -> NormalEquations:
-        return NormalEquations(self.gram * factor, self.cross * factor)
+        energy = None if self.energy is None else self.energy * factor
+        return NormalEquations(self.gram * factor, self.cross * factor, energy, self.observations)
 
     def normalized(self) -> NormalEquations:
         """Divide Gram and cross term by the Gram's mean eigenvalue (no-op for G = 0)."""
@@ -77,15 +85,21 @@ def data_free_equations(
     weights = balance_weights([_update_size(v, size_kind(balance)) for v in vectors], balance)
     gram = vectors[0].new_zeros((in_features, in_features))
     cross = vectors[0].new_zeros((out_features, in_features))
+    energy = 0.0
     for vector, weight in zip(vectors, weights):
         task_gram = vector.T @ vector
         gram.add_(task_gram, alpha=weight)
         if out_features < in_features:
-            cross.add_((vector @ vector.T) @ vector, alpha=weight)
+            outer = vector @ vector.T
+            cross.add_(outer @ vector, alpha=weight)
+            energy += weight * float(outer.double().square().sum())  # ‖U Uᵀ‖² = ‖UᵀU‖²
+            del outer
         else:
             cross.add_(vector @ task_gram, alpha=weight)
+            energy += weight * float(task_gram.double().square().sum())
         del task_gram
-    return NormalEquations(gram, cross)
+    # Data-free observations: each expert's own rows are its inputs (X_t = U_tᵀ, out columns).
+    return NormalEquations(gram, cross, energy, float(len(vectors) * out_features))
 
 
 def _update_size(vector: torch.Tensor, kind: str | None) -> float:
@@ -103,9 +117,13 @@ def activation_equations(
     activation_grams: Sequence[torch.Tensor],
     dtype: torch.dtype = torch.float32,
     balance: str = "none",
+    tokens: Sequence[int] | None = None,
 ) -> NormalEquations:
     """``G = Σ w_t G_t`` and ``C = Σ w_t U_t G_t`` from per-task activation Grams (data-assisted;
-    ``w_t = 1`` unless ``balance`` weighs the tasks by ``tr(G_t)`` or ``‖G_t‖_F``)."""
+    ``w_t = 1`` unless ``balance`` weighs the tasks by ``tr(G_t)`` or ``‖G_t‖_F``).
+
+    ``tokens``: how many tokens each Gram averages; their sum is the number of observations
+    (a token-mean Gram is ``X_t X_tᵀ / n_t``: the same ``n_t`` columns, rescaled)."""
     vectors = _stack(task_vectors, dtype)
     if len(activation_grams) != len(vectors):
         raise TensorInputError(
@@ -123,11 +141,16 @@ def activation_equations(
     weights = balance_weights(sizes, balance)
     gram = vectors[0].new_zeros((in_features, in_features))
     cross = vectors[0].new_zeros((out_features, in_features))
+    energy = 0.0
     for vector, task_gram, weight in zip(vectors, activation_grams, weights):
         task_gram = task_gram.to(device=vector.device, dtype=dtype)
         gram.add_(task_gram, alpha=weight)
-        cross.add_(vector @ task_gram, alpha=weight)
-    return NormalEquations(gram, cross)
+        product = vector @ task_gram
+        cross.add_(product, alpha=weight)
+        energy += weight * float((product.double() * vector.double()).sum())
+        del product
+    counted = tokens is not None and len(tokens) == len(vectors) and all(n > 0 for n in tokens)
+    return NormalEquations(gram, cross, energy, float(sum(tokens)) if counted else None)
 
 
 def _gram_size(gram: torch.Tensor, kind: str) -> float:
@@ -140,7 +163,12 @@ def mix_equations(few_shot: NormalEquations, data_free: NormalEquations, epsilon
         raise ConfigError(f"epsilon must lie in [0, 1]; got {epsilon}")
     few = few_shot.normalized()
     free = data_free.normalized()
+    # Both sets of observations are present (each weighted); a weight of 0 drops its set.
+    parts = [(w, e) for w, e in ((epsilon, few), (1.0 - epsilon, free)) if w > 0]
+    known = all(e.energy is not None and e.observations is not None for _, e in parts)
     return NormalEquations(
         epsilon * few.gram + (1.0 - epsilon) * free.gram,
         epsilon * few.cross + (1.0 - epsilon) * free.cross,
+        sum(w * e.energy for w, e in parts) if known else None,
+        sum(e.observations for _, e in parts) if known else None,
     )

@@ -57,6 +57,18 @@ def _run(command: list[str], result: DemoResult, show: bool = False) -> None:
         raise BMMError(f"`{shlex.join(command)}` failed" + (f": {tail[0]}" if tail else ""))
 
 
+def _merge(recipe: Path, out: Path, result: DemoResult, command: bool) -> None:
+    """``mergekit-yaml recipe out``; without ``command`` the same merge runs in this process
+    (the reduced run: mergekit's import costs seconds per command)."""
+    if command:
+        _run([_bin("mergekit-yaml"), str(recipe), str(out)], result)
+        return
+    from mergekit_bmm.plugin.run import merge_recipe_text
+
+    result.commands.append(shlex.join(["mergekit-yaml", str(recipe), str(out)]))
+    merge_recipe_text(recipe.read_text(encoding="utf-8"), out, source=str(recipe))
+
+
 def _recipe(models: DemoModels, method: str, **parameters) -> dict:
     per_model = {key: parameters.pop(key) for key in ("weight", "density") if key in parameters}
     recipe = {
@@ -128,16 +140,17 @@ def run_demo(root: Path, size: DemoSize = FULL, say: Callable[[str], None] = pri
 
     mark = time.perf_counter()
     say(f"      tuning Task Arithmetic's weight and TIES's density on validation in {root}/tuning ...")
-    weight = _tune(models, root, "task_arithmetic", "weight", TA_WEIGHTS)
-    density = _tune(models, root, "ties", "density", TIES_DENSITIES, weight=1.0)
+    weights, densities = TA_WEIGHTS[-size.grid :], TIES_DENSITIES[-size.grid :]
+    weight = _tune(models, root, "task_arithmetic", "weight", weights)
+    density = _tune(models, root, "ties", "density", densities, weight=1.0)
     plan = {
         "task_arithmetic": _recipe(models, "task_arithmetic", weight=weight),
         "ties": _recipe(models, "ties", weight=1.0, density=density),
         "bmm": _recipe(models, "bmm", weight=weight, anchor_method="task_arithmetic"),
     }
     notes = {
-        "task_arithmetic": f"weight {weight} (best on validation of {', '.join(map(str, TA_WEIGHTS))})",
-        "ties": f"density {density} (best on validation of {', '.join(map(str, TIES_DENSITIES))})",
+        "task_arithmetic": f"weight {weight} (best on validation of {', '.join(map(str, weights))})",
+        "ties": f"density {density} (best on validation of {', '.join(map(str, densities))})",
         "bmm": "at its defaults (lambda 0.1, scale 1.0), over that Task Arithmetic",
     }
     for step, (name, recipe) in enumerate(plan.items(), start=2):
@@ -145,7 +158,7 @@ def run_demo(root: Path, size: DemoSize = FULL, say: Callable[[str], None] = pri
         path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
         result.recipes[name], result.merged[name] = path, root / name
         say(f"[{step}/{steps}] mergekit-yaml {path.name} -> {root / name}  ({notes[name]})")
-        _run([_bin("mergekit-yaml"), str(path), str(root / name)], result)
+        _merge(path, root / name, result, size.commands)
     result.seconds["merges"] = time.perf_counter() - mark
 
     mark = time.perf_counter()

@@ -41,10 +41,22 @@ class DemoSize:
     validation: int = 200
     test: int = 1000
     budget: int = 12  # search trials
+    grid: int = 4  # values tried when tuning Task Arithmetic's weight and TIES's density
+    commands: bool = True  # the recipes merged by `mergekit-yaml` (False: in this process, same code)
 
 
 FULL = DemoSize()
-SMALL = DemoSize(hidden=32, pretrain_steps=10, finetune_steps=15, batch=16, validation=40, test=60, budget=3)
+SMALL = DemoSize(
+    hidden=32,
+    pretrain_steps=10,
+    finetune_steps=15,
+    batch=16,
+    validation=40,
+    test=60,
+    budget=3,
+    grid=2,
+    commands=False,
+)
 HEAD_NORM = 3.0
 
 

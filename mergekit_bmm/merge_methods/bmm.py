@@ -39,7 +39,7 @@ from mergekit_bmm.core import closed_form, normal_equations
 from mergekit_bmm.core.module_map import ModuleInfo, classify
 from mergekit_bmm.errors import ConfigError, NonFiniteOutputError, TensorInputError
 from mergekit_bmm.io.model_folder import model_type_of
-from mergekit_bmm.merge_methods import kept_at_anchor
+from mergekit_bmm.merge_methods import chosen_lambdas, kept_at_anchor
 from mergekit_bmm.merge_methods import observer as solved_tensors
 from mergekit_bmm.merge_methods.bmm_anchor import (
     AnchorSource,
@@ -162,7 +162,8 @@ class BMMMerge(GroupMergeMethod):
         settings = BMMSettings.from_parameters(parameters)
         merged = self._merge_group(group, settings, parameters)
         hint = (
-            f"lambda {settings.lam:g}, scale {settings.scale:g}, anchor {settings.anchor_method or 'default'}"
+            f"lambda {settings.lambda_text}, scale {settings.scale:g}, "
+            f"anchor {settings.anchor_method or 'default'}"
             "; the values overflow the output dtype: use a smaller scale, or check the inputs"
         )
         return checked_output(merged, group.metadata.name or "", "bmm", hint)
@@ -254,13 +255,15 @@ class BMMMerge(GroupMergeMethod):
             )
             if settings.gram == "data_free":
                 return data_free
-        from mergekit_bmm.stats.store import activation_grams_for
+        from mergekit_bmm.stats.store import activation_grams_for, activation_tokens_for
 
         d_in = task_vectors[0].shape[1]
-        grams = activation_grams_for(settings.stats, group.metadata.name, [e.id for e in tasks], d_in=d_in)
+        models = [e.id for e in tasks]
+        grams = activation_grams_for(settings.stats, group.metadata.name, models, d_in=d_in)
         grams = [g.to(device=task_vectors[0].device) for g in grams]
+        tokens = activation_tokens_for(settings.stats, models)
         few = normal_equations.activation_equations(
-            task_vectors, grams, settings.compute_dtype, settings.task_balance
+            task_vectors, grams, settings.compute_dtype, settings.task_balance, tokens
         )
         if settings.gram == "activations":
             return few
@@ -303,15 +306,39 @@ class _Solve:
     def direct(self) -> torch.Tensor:
         settings = self.settings
         equations, prior, base_c = self._problem()
+        if settings.lambda_auto:
+            return self._direct_auto(equations, prior, base_c)
         merged = closed_form.merge_matrix(equations, prior, settings.lam, settings.lambda_mode)
         ridge = lambda: closed_form.effective_ridge(settings.lam, equations, settings.lambda_mode)  # noqa: E731
         return self._output(merged, base_c, ridge, settings.compute_dtype, gram=equations.gram)
+
+    def _direct_auto(
+        self, equations: normal_equations.NormalEquations, prior: torch.Tensor, base_c: torch.Tensor
+    ) -> torch.Tensor:
+        """``lambda: auto`` without a cache: ``G`` diagonalised in float64 (the evidence needs its
+        eigenvalues), the evidence's λ', and the solve from those factors."""
+        rank = thin_rank(self.settings, len(self.tasks), *prior.shape)
+        factors = closed_form.eigen_factors(equations, prior, torch.float64, rank)
+        ridge = self._chosen_ridge(factors)
+        merged = closed_form.solve_from_factors(factors, ridge).to(self.settings.compute_dtype)
+        eigen = factors.complete_eigen(merged.dtype) if solved_tensors.active() else None
+        return self._output(merged, base_c, lambda: ridge, self.settings.compute_dtype, eigen=eigen)
+
+    def _chosen_ridge(self, factors: closed_form.EigenFactors) -> float:
+        """λ' for this weight: the recipe's λ, or the evidence's choice (recorded) for ``auto``."""
+        if not self.settings.lambda_auto:
+            return factors.ridge(self.settings.lam, self.settings.lambda_mode)
+        choice = factors.evidence_choice()
+        chosen_lambdas.note(self.name, choice)
+        return choice.ridge
 
     def cached(self, cache: FactorCache) -> torch.Tensor:
         settings, dtype = self.settings, self.settings.compute_dtype
         key = cache_key.factor_key(settings, self.source, self.transpose)
         shape = tuple(self.orient(self.base).shape)
         factors = cache.load_factors(self.name, key, shape, dtype)
+        if factors is not None and settings.lambda_auto and factors.evidence is None:
+            factors = None  # an entry from before the evidence was stored: filled again
         if factors is None:
             # Factorised once in float64: the cached route is then at least as accurate as
             # the direct one (see closed_form.eigen_factors); trials solve in `dtype`.
@@ -329,7 +356,7 @@ class _Solve:
             solved_tensors.report_factors(
                 FactoredTensor(self.name, factors, self.base, self.transpose, settings.lambda_mode, reload)
             )
-        ridge = factors.ridge(settings.lam, settings.lambda_mode)
+        ridge = self._chosen_ridge(factors)
         if not solved_tensors.active():
             return closed_form.weight_from_factors(factors, self.base, ridge, settings.scale, self.transpose)
         # The sampler gets G's eigen factors instead of G: no second eigendecomposition.

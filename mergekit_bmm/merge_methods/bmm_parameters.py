@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 from mergekit.merge_methods.base import MergeMethodSpec, ParameterScope, ParameterSpec
 
+from mergekit_bmm.core.evidence import AUTO_LAMBDA, lambda_text
 from mergekit_bmm.errors import ConfigError, shown
 from mergekit_bmm.merge_methods.parameter_ranges import CheckedParameter
 
@@ -58,7 +59,13 @@ def own_parameters() -> tuple[ParameterSpec, ...]:
     """BMM's own parameters (shared unless noted)."""
     shared = ParameterScope.SHARED
     return (
-        CheckedParameter("lambda", float, shared, default=0.1, description="number >= 0"),
+        CheckedParameter(
+            "lambda",
+            float | Literal["auto"],
+            shared,
+            default=0.1,
+            description="number >= 0, or auto (chosen per weight by the evidence)",
+        ),
         CheckedParameter("scale", float, shared, default=1.0, description="number > 0"),
         CheckedParameter(
             "anchor_method",
@@ -187,7 +194,7 @@ def _cache_dtype(asked: str | None, compute: str) -> torch.dtype | None:
 class BMMSettings:
     """The typed, per-tensor view of BMM's own parameters."""
 
-    lam: float
+    lam: float | str  # a number, or AUTO_LAMBDA
     scale: float
     anchor_method: str | None
     gram: str
@@ -200,6 +207,15 @@ class BMMSettings:
     anchor_seed: int
     cache: str | None = None
     cache_dtype: torch.dtype | None = None  # None: chosen per factor (methods/factor_precision.py)
+
+    @property
+    def lambda_auto(self) -> bool:
+        """Whether λ is chosen per weight by the evidence (:mod:`mergekit_bmm.core.evidence`)."""
+        return self.lam == AUTO_LAMBDA
+
+    @property
+    def lambda_text(self) -> str:
+        return lambda_text(self.lam)
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, Any]) -> BMMSettings:

@@ -11,9 +11,9 @@ search's trials.
 from __future__ import annotations
 
 import logging
-import threading
 
 from mergekit_bmm.core.module_map import layer_index, matching_rule
+from mergekit_bmm.merge_methods.tally import Tally
 
 LOG = logging.getLogger("mergekit_bmm")
 
@@ -27,8 +27,7 @@ KINDS: dict[str, str] = {
     "no_experts": "weights every expert leaves unchanged (no task vector)",
 }
 
-_lock = threading.Lock()
-_kept: dict[str, list[str]] = {}
+_kept: Tally[str] = Tally()  # tensor name -> kind
 
 
 def kind_of(name: str, ndim: int) -> str:
@@ -45,23 +44,19 @@ def kind_of(name: str, ndim: int) -> str:
 
 def note(name: str, kind: str) -> None:
     """Count ``name`` as kept at the anchor for ``kind`` (once per name)."""
-    with _lock:
-        names = _kept.setdefault(kind, [])
-        if name not in names:
-            names.append(name)
+    _kept.add(name, kind)
 
 
 def reset() -> None:
     """Start a new merge's tally."""
-    with _lock:
-        _kept.clear()
+    _kept.reset()
 
 
 def drained() -> dict[str, list[str]]:
     """The tally so far (kind -> names, in merge order), and a fresh one."""
-    with _lock:
-        kept = {kind: list(names) for kind, names in _kept.items() if names}
-        _kept.clear()
+    kept: dict[str, list[str]] = {}
+    for name, kind in _kept.drained().items():
+        kept.setdefault(kind, []).append(name)
     return kept
 
 

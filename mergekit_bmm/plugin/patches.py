@@ -40,7 +40,7 @@ from typing import Any
 
 from mergekit_bmm.errors import merge_started
 from mergekit_bmm.io.versions import mergekit_version
-from mergekit_bmm.merge_methods import kept_at_anchor
+from mergekit_bmm.merge_methods import chosen_lambdas, kept_at_anchor
 
 LOG = logging.getLogger("mergekit_bmm")
 
@@ -158,14 +158,18 @@ def _has_run_merge(merge_module) -> bool:
 
 
 def write_plugin_card(
-    out_dir: Path, merge_config: Any, config_yaml: str, kept: dict[str, list[str]] | None = None
+    out_dir: Path,
+    merge_config: Any,
+    config_yaml: str,
+    kept: dict[str, list[str]] | None = None,
+    chosen: dict[str, dict] | None = None,
 ) -> None:
-    """The merge record (with the tensors kept at the anchor), the plugin's card and
-    ``mergekit_config.yml`` of a finished merge."""
+    """The merge record (with the tensors kept at the anchor and the λ ``lambda: auto`` chose),
+    the plugin's card and ``mergekit_config.yml`` of a finished merge."""
     from mergekit_bmm.cards import card
 
     try:
-        card.record_merge(out_dir, config_yaml, kept_at_anchor=kept or {})
+        card.record_merge(out_dir, config_yaml, kept_at_anchor=kept or {}, lambda_auto=chosen or {})
     except Exception as error:
         LOG.warning("mergekit-bmm: could not write the merge record: %s", error)
     try:
@@ -188,6 +192,7 @@ def _install_merge_wrapper(merge_module) -> None:
         ours = getattr(merge_config, "merge_method", None) in method_names()
         merge_started(ours)
         kept_at_anchor.reset()
+        chosen_lambdas.reset()
         card = ours and bool(getattr(options, "write_model_card", False))
         if card:  # written here, after the weights: mergekit's card would ask the Hub
             options = options.model_copy(update={"write_model_card": False})
@@ -197,10 +202,12 @@ def _install_merge_wrapper(merge_module) -> None:
                 result = original(merge_config, out_path, options, config_source, *args, **kwargs)
         else:
             result = original(merge_config, out_path, options, config_source, *args, **kwargs)
-        kept = kept_at_anchor.drained()
+        kept, chosen = kept_at_anchor.drained(), chosen_lambdas.drained()
         kept_at_anchor.log_summary(kept)
+        chosen_lambdas.log_summary(chosen)
         if card:  # mergekit's own rule: the recipe text, else the configuration as it ends the merge
-            write_plugin_card(Path(out_path), merge_config, config_source or merge_config.to_yaml(), kept)
+            recipe = config_source or merge_config.to_yaml()
+            write_plugin_card(Path(out_path), merge_config, recipe, kept, chosen)
         return result
 
     setattr(run_merge, _MARK, True)

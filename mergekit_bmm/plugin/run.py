@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mergekit_bmm.merge_methods import kept_at_anchor
+from mergekit_bmm.merge_methods import chosen_lambdas, kept_at_anchor
 from mergekit_bmm.recipes.parse import parse_recipe
 
 IN_MEMORY = "/nonexistent/mergekit-bmm-in-memory"  # the plan names a folder; nothing is written there
@@ -76,7 +76,8 @@ def merge_recipe_in_memory(
 
     activate()
     quiet_mergekit()
-    kept_at_anchor.reset()  # a search merges many times: the tally must not grow with its trials
+    kept_at_anchor.reset()  # a search merges many times: the tallies must not grow with its trials
+    chosen_lambdas.reset()
     loaders = LoaderCache()
     loaders.loaders.clear()
     loaders.setup(options=options)

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mergekit_bmm.core.evidence import AUTO_LAMBDA
 from mergekit_bmm.core.module_map import GROUP_NAMES, filter_rules
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.io.model_folder import weight_names_of
@@ -26,9 +27,14 @@ class BlockSetting:
 
     start: int
     end: int
-    lambdas: Mapping[str, float]
+    lambdas: Mapping[str, float | str]  # a number, or "auto" (λ from the evidence)
     scale: float
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+def lambda_value(value: float | str) -> float | str:
+    """A λ as a recipe holds it: a float, or ``auto`` as is."""
+    return value if value == AUTO_LAMBDA else float(value)
 
 
 def layer_blocks(num_layers: int, blocks: int) -> list[tuple[int, int]]:
@@ -95,7 +101,7 @@ def blockwise_recipe(
         if unknown:
             raise ConfigError(f"unknown module group(s) {sorted(unknown)}; use {list(GROUP_NAMES)}")
         lambdas = [
-            {"filter": rule.pattern, "value": float(block.lambdas[rule.group.value])}
+            {"filter": rule.pattern, "value": lambda_value(block.lambdas[rule.group.value])}
             for rule in rules
             if rule.group is not None and rule.group.value in block.lambdas
         ]

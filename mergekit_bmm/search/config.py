@@ -94,7 +94,7 @@ class SearchConfig(BaseModel):
 
     recipe: str | dict[str, Any]
     blocks: int = Field(default=3, ge=1)
-    groups: list[str] = Field(default_factory=lambda: list(GROUP_NAMES), min_length=1)
+    groups: list[str] = Field(default_factory=lambda: list(GROUP_NAMES))  # []: λ stays the recipe's
     lambda_range: tuple[float, float] | None = None  # None: the recipe's Gram mode's default box
     scale_range: tuple[float, float] | Literal["auto"] | None = "auto"  # None: the recipe's scale, fixed
     epsilon_range: tuple[float, float] | None = None

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from mergekit_bmm.core.evidence import lambda_text
 from mergekit_bmm.io.atomic import replacing
 from mergekit_bmm.search.log import TrialRecord
 from mergekit_bmm.search.space import SearchSpace
@@ -114,7 +115,7 @@ def not_searched_lines(not_searched: dict) -> list[str]:
     lines = []
     groups = not_searched.get("groups") or {}
     if groups:
-        fixed = ", ".join(f"{group} (lambda {value:g})" for group, value in groups.items())
+        fixed = ", ".join(f"{group} (lambda {lambda_text(value)})" for group, value in groups.items())
         lines.append(f"not searched, at the recipe's lambda: {fixed}")
     kept = not_searched.get("anchor_kept") or []
     if kept:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from mergekit_bmm.core.closed_form import EigenFactors, weight_from_factors
+from mergekit_bmm.core.evidence import lambda_text
 from mergekit_bmm.core.module_map import classify, layer_index
 from mergekit_bmm.devices import available_bytes
 from mergekit_bmm.errors import ConfigError
@@ -261,7 +262,7 @@ class ResidentModel:
             factors = solved.factors_now(self.device)
             ridge = factors.ridge(block.lambdas[solved.group], solved.lambda_mode)
             weight = weight_from_factors(factors, solved.base, ridge, block.scale, solved.transposed)
-            hint = f"lambda {block.lambdas[solved.group]:g}, scale {block.scale:g}"
+            hint = f"lambda {lambda_text(block.lambdas[solved.group])}, scale {block.scale:g}"
             solved.target.copy_(checked_output(weight.to(solved.out_dtype), name, "bmm", hint))
             del weight, factors
 

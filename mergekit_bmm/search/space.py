@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mergekit_bmm.core.evidence import AUTO_LAMBDA
 from mergekit_bmm.core.module_map import GROUP_NAMES, filter_rules
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.io.model_folder import num_layers_of
@@ -66,6 +67,14 @@ def _scalar(recipe: Mapping[str, Any], key: str, default: float, why: str) -> fl
     return number
 
 
+def _recipe_lambda(recipe: Mapping[str, Any]) -> float | str:
+    """The recipe's λ for the groups a search leaves alone: a number, or ``auto`` (the evidence's)."""
+    value = (recipe.get("parameters") or {}).get("lambda", DEFAULT_LAMBDA)
+    if value == AUTO_LAMBDA:
+        return AUTO_LAMBDA
+    return _scalar(recipe, "lambda", DEFAULT_LAMBDA, "groups that are not searched")
+
+
 class SearchSpace:
     """Blocks × (groups, scale, ε) and the recipe values that stay fixed."""
 
@@ -76,7 +85,7 @@ class SearchSpace:
         lambda_range: tuple[float, float],
         scale_range: tuple[float, float] | None,
         epsilon_range: tuple[float, float] | None,
-        fixed_lambda: float = DEFAULT_LAMBDA,
+        fixed_lambda: float | str = DEFAULT_LAMBDA,
         fixed_scale: float = DEFAULT_SCALE,
     ) -> None:
         self.blocks = [tuple(block) for block in blocks]
@@ -118,15 +127,18 @@ class SearchSpace:
                 f"it has {sorted(present)}: drop them from `groups`"
             )
         unsearched = set(GROUP_NAMES) - searched
-        fixed_lambda = (
-            _scalar(recipe, "lambda", DEFAULT_LAMBDA, "groups that are not searched") if unsearched else 0.0
-        )
+        fixed_lambda = _recipe_lambda(recipe) if unsearched else 0.0
         lambda_range, scale_range = config.box(recipe_gram(recipe))
         fixed_scale = (
             _scalar(recipe, "scale", DEFAULT_SCALE, "a search without scale_range")
             if scale_range is None
             else DEFAULT_SCALE
         )
+        if not config.groups and scale_range is None and config.epsilon_range is None:
+            raise ConfigError(
+                "nothing to search: `groups` is empty and there is no scale_range or epsilon_range; "
+                "list groups whose lambda to search, or give scale_range"
+            )
         return cls(
             layer_blocks(layers, config.blocks),
             config.groups,
@@ -207,7 +219,7 @@ class SearchSpace:
         """Per-block settings for :func:`mergekit_bmm.recipes.blockwise.blockwise_recipe`."""
         settings = []
         for index, (start, end) in enumerate(self.blocks):
-            lambdas = {group: self.fixed_lambda for group in GROUP_NAMES}
+            lambdas: dict[str, float | str] = {group: self.fixed_lambda for group in GROUP_NAMES}
             scale = self.fixed_scale
             extra: dict[str, float] = {}
             for dimension in self.dimensions:

@@ -255,6 +255,14 @@ def activation_grams_for(
     return grams
 
 
+def activation_tokens_for(stats_dir: str | Path, models: Sequence[Hashable]) -> list[int]:
+    """How many tokens each model's Grams average (every linear module sees every token), in
+    model order: the evidence for λ counts them as observations."""
+    directory = stats_directory(str(stats_dir))
+    manifest = load_manifest(directory)
+    return [manifest.task_for_model(model, Path(str(stats_dir))).tokens for model in models]
+
+
 def read_task_gram(
     directory: Path, manifest: StatsManifest, task: TaskStats, key: str, label: str | Path = ""
 ) -> torch.Tensor:

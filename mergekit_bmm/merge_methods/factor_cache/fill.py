@@ -123,4 +123,6 @@ def fill_factors(
     stored = _stored_basis(cache, eigen, chosen["basis"], compute)
     scalars = {"mean_eigenvalue": exact.mean_eigenvalue, "diagonal_max": exact.diagonal_max}
     correction, anchor = exact.correction, exact.anchor
-    return cache.store_factors(name, key, stored, correction, anchor, chosen, scalars, compute)
+    return cache.store_factors(
+        name, key, stored, correction, anchor, chosen, scalars, compute, exact.evidence
+    )

@@ -48,6 +48,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mergekit_bmm.core.closed_form import EigenFactors
+from mergekit_bmm.core.evidence import EvidenceTerms
 from mergekit_bmm.io.atomic import replacing
 from mergekit_bmm.merge_methods.factor_cache.precision import encode
 
@@ -56,6 +57,8 @@ LOG = logging.getLogger("mergekit_bmm")
 CACHE_FORMAT = "mergekit-bmm-factors/2"
 BASIS_DIR = "bases"
 SCALARS = ("mean_eigenvalue", "diagonal_max")
+EVIDENCE_SCALARS = ("energy", "observations")  # with the tensor COLUMN_ENERGY: what λ auto needs
+COLUMN_ENERGY = "column_energy"
 SCALE_SUFFIX = ".scale"
 ANCHOR = "anchor"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
@@ -128,6 +131,16 @@ def _factors(
     correction, correction_scale = _in_compute(tensors, "correction", compute)
     anchor, anchor_scale = _in_compute(tensors, ANCHOR, compute)
     stored_basis = basis.basis if basis.basis.dtype in _SIXTEEN_BITS else basis.basis.to(compute)
+    evidence = None
+    if COLUMN_ENERGY in tensors and all(name in scalars for name in EVIDENCE_SCALARS):
+        evidence = EvidenceTerms(
+            eigenvalues=basis.eigenvalues.to(torch.float64),
+            column_energy=tensors[COLUMN_ENERGY].to(torch.float64),
+            energy=scalars["energy"],
+            observations=scalars["observations"],
+            rows=anchor.shape[0],
+            mean_eigenvalue=scalars["mean_eigenvalue"],
+        )
     return EigenFactors(
         basis=stored_basis,
         eigenvalues=basis.eigenvalues.to(compute),
@@ -138,6 +151,7 @@ def _factors(
         basis_scale=basis.scale,
         correction_scale=correction_scale,
         anchor_scale=anchor_scale,
+        evidence=evidence,
     )
 
 
@@ -193,6 +207,7 @@ class FactorCache:
         tensors, metadata = read
         try:
             scalars = {name: float(metadata[name]) for name in SCALARS}
+            scalars.update({name: float(metadata[name]) for name in EVIDENCE_SCALARS if name in metadata})
             basis_id, precision = metadata["basis"], _DTYPES[metadata["basis_precision"]]
         except (KeyError, ValueError):
             return self._reject(path, "its metadata is incomplete")
@@ -202,6 +217,9 @@ class FactorCache:
             return self._reject(path, "its basis file is missing or unreadable")
         if correction is None or tuple(correction.shape) != (out_features, basis.basis.shape[1]):
             return self._reject(path, "its correction does not match its basis")
+        column_energy = tensors.get(COLUMN_ENERGY)
+        if column_energy is not None and tuple(column_energy.shape) != (basis.basis.shape[1],):
+            return self._reject(path, "its evidence terms do not match its basis")
         return _factors(basis, tensors, scalars, compute)
 
     def store_factors(
@@ -214,14 +232,19 @@ class FactorCache:
         precisions: dict[str, torch.dtype],
         scalars: dict[str, float],
         compute: torch.dtype,
+        evidence: EvidenceTerms | None = None,
     ) -> EigenFactors:
-        """Write the correction and anchor rounded to their ``precisions``; return exactly what
-        a later read gives (in the ``compute`` dtype)."""
+        """Write the correction and anchor rounded to their ``precisions`` (and the evidence's
+        terms, exact: O(r) numbers); return exactly what a later read gives (in ``compute``)."""
         tensors = {
             **_stored("correction", correction, precisions["correction"]),
             **_stored(ANCHOR, anchor, precisions["anchor"]),
         }
-        metadata = {name: repr(float(scalars[name])) for name in SCALARS}
+        scalars = dict(scalars)
+        if evidence is not None:
+            tensors[COLUMN_ENERGY] = evidence.column_energy.to(torch.float64)
+            scalars.update(energy=evidence.energy, observations=evidence.observations)
+        metadata = {name: repr(float(value)) for name, value in scalars.items()}
         metadata.update(basis=basis.basis_id, basis_precision=str(basis.precision))
         metadata["precision"] = json.dumps({name: str(dtype) for name, dtype in precisions.items()})
         self._write(entry_path(self.directory, tensor_name, key), key, tensors, metadata)
