@@ -211,6 +211,8 @@ def bmm_stage(config: RunConfig, cache_dir: Path, art: Artifacts, results, setti
         proposed = config.search.default_candidates.get(setting)
         if proposed:  # a default proposed for this mode: one merge, no trials, scored the same way
             row["candidate"] = bmm_defaults(config, cache_dir, art, anchor, setting, proposed)
+        if config.search.evidence_lambda:  # λ from the evidence, s 1: one merge, no validation data
+            row["auto"] = bmm_defaults(config, cache_dir, art, anchor, setting, {"lambda": "auto"})
         if anchor != "pretrained" and Path(first["best_dir"]).is_dir():
             row["moved"] = cached_moved_from_anchor(
                 Path(first["best_dir"]), art.anchors[anchor], art.encoder, cache_dir
@@ -253,6 +255,7 @@ def bmm_defaults(
         "per_task": {t.name: round(scores[(t.name, "test")], 4) for t in tasks},
         "merge_seconds": outcome["merge_seconds"],
         **({"parameters": dict(parameters)} if parameters else {}),
+        **({"lambda_auto": outcome["lambda_auto"]} if "lambda_auto" in outcome else {}),
     }
 
 

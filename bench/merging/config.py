@@ -169,6 +169,11 @@ class SearchSpec(_Strict):
     )
     workers: int = Field(default=1, ge=1, description="trials at once (mergekit-bmm-search --workers)")
     threads: int = Field(default=1, ge=1)
+    evidence_lambda: bool = Field(
+        default=True,
+        description="one more merge per anchor and mode at `lambda: auto` (λ per weight from the evidence, "
+        "s 1), paired on test with the anchor and the search; the chosen λ are kept per weight",
+    )
     default_candidates: dict[Literal["data_free", "data_assisted"], dict[str, float | str]] = Field(
         default_factory=dict,
         description="per mode, bmm parameters proposed as its no-search default (e.g. {scale: 1.6}, chosen "

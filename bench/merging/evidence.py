@@ -95,10 +95,11 @@ def verdict(summary: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
         if row.get("defaults_share") is not None:
             counts["search_gained"] += 1
             counts["defaults_reach_80"] += int(row["defaults_share"] >= DEFAULTS_BAR)
-        if row.get("candidate_share") is not None:  # a proposed default, judged by the same bar
-            counts["candidate_reach_80"] = counts.get("candidate_reach_80", 0) + int(
-                row["candidate_share"] >= DEFAULTS_BAR
-            )
+        for kind in ("candidate", "auto"):  # a proposed default, λ from the evidence: the same bar
+            if row.get(f"{kind}_share") is not None:
+                counts[f"{kind}_reach_80"] = counts.get(f"{kind}_reach_80", 0) + int(
+                    row[f"{kind}_share"] >= DEFAULTS_BAR
+                )
     return out
 
 

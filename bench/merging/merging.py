@@ -45,8 +45,16 @@ def recipe_key(recipe: dict[str, Any]) -> str:
     return "merge:" + stable_key({"recipe": _fingerprinted(recipe), "mergekit": version}, 24)
 
 
+def chooses_lambda(recipe: dict[str, Any]) -> bool:
+    """Whether a bmm recipe leaves λ to the evidence (``lambda: auto``)."""
+    return (recipe.get("parameters") or {}).get("lambda") == "auto"
+
+
 def run_mergekit(recipe: dict[str, Any], out_dir: Path) -> Path:
-    """Merge with ``mergekit.merge.run_merge`` into ``out_dir`` (replaced if present)."""
+    """Merge with ``mergekit.merge.run_merge`` into ``out_dir`` (replaced if present).
+
+    A ``lambda: auto`` merge also gets its card and merge record: the record is where the λ the
+    evidence chose for each weight is kept (:func:`chosen_lambdas`)."""
     from mergekit.config import MergeConfiguration
     from mergekit.io.tasks import LoaderCache
     from mergekit.merge import run_merge
@@ -62,8 +70,20 @@ def run_mergekit(recipe: dict[str, Any], out_dir: Path) -> Path:
     LoaderCache().loaders.clear()  # mergekit never invalidates its loaders (stale data otherwise)
     config = MergeConfiguration.model_validate(copy.deepcopy(recipe))
     options = MergeOptions(
-        quiet=True, copy_tokenizer=True, write_model_card=False, lazy_unpickle=False, device=device.current()
+        quiet=True,
+        copy_tokenizer=True,
+        write_model_card=chooses_lambda(recipe),
+        lazy_unpickle=False,
+        device=device.current(),
     )
     run_merge(config, str(out_dir), options)
     LoaderCache().loaders.clear()
     return out_dir
+
+
+def chosen_lambdas(out_dir: Path) -> dict[str, dict]:
+    """weight name -> the λ ``lambda: auto`` chose for it, from the merge record in ``out_dir``."""
+    from mergekit_bmm.cards.merge_record import read_record
+
+    record = read_record(out_dir)
+    return dict(record.lambda_auto) if record is not None else {}

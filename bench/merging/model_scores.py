@@ -15,7 +15,7 @@ from bench.merging.artifacts import Artifacts
 from bench.merging.cache import ScoreCache, read_json, stable_key, write_json
 from bench.merging.config import RunConfig, limits
 from bench.merging.encoder import load_encoder
-from bench.merging.merging import recipe_key, run_mergekit
+from bench.merging.merging import chooses_lambda, chosen_lambdas, recipe_key, run_mergekit
 from bench.merging.scoring import ScoredTask, score_model
 from mergekit_bmm.errors import ConfigError
 
@@ -46,7 +46,10 @@ def merge_and_score(
             started = time.time()
             path = run_mergekit(recipe, out)
             merge_seconds = round(time.time() - started, 1)
-        write_json(record_path, {"recipe": recipe, "key": key, "merge_seconds": merge_seconds})
+        found = {"recipe": recipe, "key": key, "merge_seconds": merge_seconds}
+        if chooses_lambda(recipe):
+            found["lambda_auto"] = chosen_lambdas(path)
+        write_json(record_path, found)
         return load_encoder(path, config.work_threads)
 
     scores = score_model(
@@ -56,7 +59,10 @@ def merge_and_score(
         shutil.rmtree(out)
     if folder is not None and merge_seconds is None:
         merge_seconds = materialise(recipe, folder)[1]
-    return {"scores": scores, "merge_seconds": merge_seconds, "key": key}
+    outcome = {"scores": scores, "merge_seconds": merge_seconds, "key": key}
+    if record_path.is_file() and "lambda_auto" in read_json(record_path):
+        outcome["lambda_auto"] = read_json(record_path)["lambda_auto"]
+    return outcome
 
 
 def tasks_from_manifest(manifest: dict[str, Any]) -> dict[str, ScoredTask]:

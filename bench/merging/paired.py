@@ -66,11 +66,18 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
             continue
         cell = summary_row(anchor, setting, expected, anchors[anchor], anchors.get(best), indiv_flags)
         row = report.find_row(results, anchor, setting)
-        for kind in ("defaults", "candidate"):  # one merge, no search: today's defaults, a proposed one
-            merge = row.get(kind) or {}
+        for kind in ("defaults", "candidate", "auto"):  # one merge, no search: today's defaults, a
+            merge = row.get(kind) or {}  # proposed one, λ from the evidence
             if not merge.get("model_id"):
                 continue
             estimate, low, high = paired_difference(flags(merge["model_id"]), anchors[anchor])
+            if kind == "auto":  # and against the search it would replace
+                versus, versus_low, versus_high = paired_difference(flags(merge["model_id"]), expected)
+                cell["auto_vs_search"] = {
+                    "estimate": round(versus, 4),
+                    "low": round(versus_low, 4),
+                    "high": round(versus_high, 4),
+                }
             cell.update(
                 {
                     f"{kind}_score": merge["avg"],

@@ -351,6 +351,16 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path, monkeypatch):
     cell = summary[("task_arithmetic", "data_assisted")]
     assert cell["candidate_delta_low"] <= cell["candidate_delta"] <= cell["candidate_delta_high"]
     assert "candidate_reach_80" not in results["verdict"]["data_free"]
+    for mode in ("data_free", "data_assisted"):  # λ from the evidence: paired with anchor and search
+        auto = cells[("task_arithmetic", mode)]["auto"]
+        assert auto["parameters"] == {"lambda": "auto"} and len(auto["lambda_auto"]) == 6 * 2
+        assert all(choice["lambda"] > 0 for choice in auto["lambda_auto"].values())
+        cell = summary[("task_arithmetic", mode)]
+        assert cell["auto_delta_low"] <= cell["auto_delta"] <= cell["auto_delta_high"]
+        versus = cell["auto_vs_search"]
+        assert versus["low"] <= versus["estimate"] <= versus["high"]
+    assert (tmp_path / "results" / "smoke" / "lambda_auto.png").stat().st_size > 0
+    assert "BMM at `lambda: auto`" in (tmp_path / "results" / "smoke" / "results.md").read_text()
     assert results["verdict"]["data_free"]["anchors"] == 1
     gained = results["verdict"]["data_free"]["search_gained"]  # defaults judged only where a search gained
     assert 0 <= results["verdict"]["data_free"]["defaults_reach_80"] <= gained <= 1

@@ -96,7 +96,7 @@ def _metrics(merged: dict, base: dict, experts: list[dict], rank: int = 4) -> di
     default=None,
     help="Architecture of the --weights comparison's random models (llama; implies --weights).",
 )
-@click.option("--small", is_flag=True, help="A reduced run (about a minute): its accuracies mean nothing.")
+@click.option("--small", is_flag=True, help="A reduced run (under 30 s): its accuracies mean nothing.")
 def main(out_path: str | None, weights: bool, architecture: str | None, small: bool) -> None:
     """Make four experts locally, merge them (Task Arithmetic, TIES, bmm), search bmm's λ and s,
     and print test accuracy; models, recipes, merges and the search go to OUT_PATH (default: a new

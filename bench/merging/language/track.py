@@ -28,7 +28,13 @@ from bench.merging.language.lm_eval_runner import (
 )
 from bench.merging.language.lm_finetune import build_lm_expert
 from bench.merging.language.mc_tasks import build_mc_task, write_lm_eval_yamls
-from bench.merging.merging import recipe_key, run_mergekit, task_arithmetic_recipe
+from bench.merging.merging import (
+    chooses_lambda,
+    chosen_lambdas,
+    recipe_key,
+    run_mergekit,
+    task_arithmetic_recipe,
+)
 from bench.merging.scoring import mean
 
 
@@ -119,6 +125,7 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
         )
         models["bmm over task_arithmetic"] = out["bmm"]["model_id"]
         models["bmm defaults over task_arithmetic"] = out["bmm"]["defaults"]["model_id"]
+        models["bmm auto over task_arithmetic"] = out["bmm"]["auto"]["model_id"]
     out["anchors"] = {}
     for anchor_spec in spec.anchors:
         anchor = _tuned_anchor(
@@ -129,6 +136,7 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
         if "bmm" in anchor:
             models[f"bmm over {anchor_spec.name}"] = anchor["bmm"]["model_id"]
             models[f"bmm defaults over {anchor_spec.name}"] = anchor["bmm"]["defaults"]["model_id"]
+            models[f"bmm auto over {anchor_spec.name}"] = anchor["bmm"]["auto"]["model_id"]
     out["intervals"] = _intervals(models, expert_ids, tasks, cache, limit)
     out["timings"] = timings
     write_json(
@@ -242,6 +250,10 @@ def _bmm_over_anchor(
     # BMM at its defaults: the search's recipe with no λ or s, one merge and no trials
     work = cache_dir / "language" / "merges" / "work"
     defaults = _merge_and_score(template, jobs, include, cache, batch, limit, work, {})
+    # λ from the evidence, s 1: one merge, no validation data
+    automatic = {**template, "parameters": {**template["parameters"], "lambda": "auto"}}
+    chosen: dict[str, Any] = {}
+    auto = _merge_and_score(automatic, jobs, include, cache, batch, limit, work, {}, chosen)
     shutil.rmtree(work, ignore_errors=True)
     return {
         "anchor": anchor,
@@ -253,6 +265,7 @@ def _bmm_over_anchor(
         "scores": summarize(scores),
         "search": str(folder),
         "defaults": {"model_id": recipe_key(template), "scores": summarize(defaults)},
+        "auto": {"model_id": recipe_key(automatic), "scores": summarize(auto), **chosen},
     }
 
 
@@ -266,10 +279,12 @@ def _intervals(models: dict[str, str], expert_ids: dict[str, str], tasks, cache,
     }
     pairs = [("experts", "pretrained"), ("experts", "task_arithmetic")]
     pairs += [(name, name.removeprefix("bmm over ")) for name in models if name.startswith("bmm over ")]
-    pairs += [
-        (name, name.removeprefix("bmm defaults over "))
+    for prefix in ("bmm defaults over ", "bmm auto over "):  # one merge against its anchor
+        pairs += [(name, name.removeprefix(prefix)) for name in models if name.startswith(prefix)]
+    pairs += [  # λ from the evidence against the search it would replace
+        (name, "bmm over " + name.removeprefix("bmm auto over "))
         for name in models
-        if name.startswith("bmm defaults over ")
+        if name.startswith("bmm auto over ")
     ]
     out = {}
     for first, second in pairs:
@@ -279,7 +294,11 @@ def _intervals(models: dict[str, str], expert_ids: dict[str, str], tasks, cache,
     return out
 
 
-def _merge_and_score(recipe, jobs, include, cache, batch, limit, work: Path, timings) -> dict:
+def _merge_and_score(
+    recipe, jobs, include, cache, batch, limit, work: Path, timings, chosen: dict | None = None
+) -> dict:
+    """Scores of ``recipe``'s merge (merged only when a score is missing); a ``lambda: auto`` merge
+    puts the λ it chose per weight into ``chosen["lambda_auto"]`` (kept in the score cache)."""
     key = recipe_key(recipe)
     out = work / key.split(":")[1]
     missing = [job for job in jobs if needs_scoring(cache.get(lm_score_key(key, *job, limit)), job[1])]
@@ -287,5 +306,10 @@ def _merge_and_score(recipe, jobs, include, cache, batch, limit, work: Path, tim
         started = time.time()
         run_mergekit(recipe, out)
         timings["task_arithmetic_merge_seconds"] = round(time.time() - started, 1)
+        if chosen is not None and chooses_lambda(recipe):
+            cache.put({"lambda_auto": key}, {"chosen": chosen_lambdas(out)})
+    found = cache.get({"lambda_auto": key}) if chosen is not None else None
+    if found is not None:
+        chosen["lambda_auto"] = found["chosen"]
     scores, _ = score_lm(key, out, jobs, include, cache, batch, limit)
     return scores

@@ -31,17 +31,13 @@ def language_markdown(language: dict[str, Any]) -> str:
         lines.append(row(f"task_arithmetic (weight {ta['weight']})", ta["scores"]))
     if "bmm" in language:
         lines.append(row(_bmm_label("task_arithmetic", language["bmm"]), language["bmm"]["scores"]))
-        if "defaults" in language["bmm"]:
-            lines.append(
-                row("BMM over task_arithmetic at its defaults", language["bmm"]["defaults"]["scores"])
-            )
+        lines += _one_merge_rows(row, "task_arithmetic", language["bmm"])
     for name, anchor in language.get("anchors", {}).items():
         tuned = f"{anchor['parameter']} {anchor['value']}" if anchor.get("parameter") else "defaults"
         lines.append(row(f"{name} ({tuned})", anchor["scores"]))
         if "bmm" in anchor:
             lines.append(row(_bmm_label(name, anchor["bmm"]), anchor["bmm"]["scores"]))
-            if "defaults" in anchor["bmm"]:
-                lines.append(row(f"BMM over {name} at its defaults", anchor["bmm"]["defaults"]["scores"]))
+            lines += _one_merge_rows(row, name, anchor["bmm"])
     lines.append(row("Indiv. (each expert on its task)", language["indiv"]))
     limit = language.get("eval_limit")
     text = (
@@ -66,3 +62,16 @@ def language_markdown(language: dict[str, Any]) -> str:
             "experts: each on its own task).\n\n" + "\n".join(rows)
         )
     return text
+
+
+def _one_merge_rows(row, anchor: str, bmm: dict) -> list[str]:
+    """BMM over ``anchor`` with no search: at its defaults, and at ``lambda: auto`` (with the median λ
+    the evidence chose)."""
+    lines = []
+    if "defaults" in bmm:
+        lines.append(row(f"BMM over {anchor} at its defaults", bmm["defaults"]["scores"]))
+    if "auto" in bmm:
+        chosen = [c["lambda"] for c in (bmm["auto"].get("lambda_auto") or {}).values()]
+        median = f", median λ {sorted(chosen)[len(chosen) // 2]:.3g}" if chosen else ""
+        lines.append(row(f"BMM over {anchor} at lambda: auto{median}", bmm["auto"]["scores"]))
+    return lines

@@ -8,7 +8,13 @@ from typing import Any
 from bench.merging.cache import write_json
 from bench.merging.report.explain import diagnostics_markdown, sweeps_markdown
 from bench.merging.report.language import language_markdown
-from bench.merging.report.plots import plot, plot_anchors, plot_deltas, plot_expert_curves
+from bench.merging.report.plots import (
+    plot,
+    plot_anchors,
+    plot_deltas,
+    plot_evidence_lambdas,
+    plot_expert_curves,
+)
 from bench.merging.report.rows import dynamic_range
 from bench.merging.report.tables import (
     ablation_table,
@@ -38,6 +44,14 @@ def write(results: dict[str, Any], folder: Path) -> None:
         text += ["## BMM against its anchor and the best anchor", "", summary_markdown(results), ""]
         if plot_deltas(results, folder / "deltas.png"):
             text += ["![paired test differences](deltas.png)", ""]
+        if plot_evidence_lambdas(results, folder / "lambda_auto.png"):
+            text += [
+                "λ chosen by the evidence (`lambda: auto`, every weight) against the search's best λ, per "
+                "module group:",
+                "",
+                "![lambda auto](lambda_auto.png)",
+                "",
+            ]
     if len(results["rows"]) > 1:  # a run stopped before the searches still shows its anchors
         text += ["## Anchors and BMM (Table 1 in kind)", "", table1(results), ""]
         if panels:

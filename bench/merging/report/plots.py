@@ -135,7 +135,8 @@ def plot_deltas(results: dict[str, Any], path: Path) -> Path | None:
         for i, cell in enumerate(reversed(cells)):
             color = colors.get(cell["mode"], "black")
             _whisker(ax, i, (cell["delta"], cell["delta_low"], cell["delta_high"]), fmt="o", color=color)
-            for kind, marker in (("defaults", "o"), ("candidate", "D")):  # one merge, no search
+            one_merge = (("defaults", "o"), ("candidate", "D"), ("auto", "^"))  # no search
+            for kind, marker in one_merge:
                 if f"{kind}_delta" in cell:
                     ax.plot(
                         100 * cell[f"{kind}_delta"], i, marker=marker, mfc="white", color=color, linestyle=""
@@ -146,7 +147,8 @@ def plot_deltas(results: dict[str, Any], path: Path) -> Path | None:
         ax.set_yticks(range(len(cells)), list(reversed(labels)), fontsize=7)
         ax.axvline(0, color="grey", linewidth=0.8)
         ax.set_xlabel(
-            "test Δ vs its anchor\n(filled: searched; hollow: at its defaults; ◇: a proposed default)"
+            "test Δ vs its anchor\n(filled: searched; hollow: at its defaults; ◇: a proposed default; "
+            "△: lambda auto)"
         )
     if variants:
         ax = axes.pop(0)
@@ -164,6 +166,60 @@ def plot_deltas(results: dict[str, Any], path: Path) -> Path | None:
         ax.axvline(0, color="grey", linewidth=0.8)
         ax.set_xlabel("test Δ vs the search it is paired with (green: ahead on validation)")
     fig.suptitle(f"{results['name']}: paired test differences, 95 % intervals", fontsize=10)
+    return _save(fig, path, dpi=110)
+
+
+def evidence_lambdas(row: dict[str, Any]) -> dict[str, list[float]]:
+    """The λ the evidence chose in a row's ``lambda: auto`` merge, per module group."""
+    from mergekit_bmm.merge_methods.chosen_lambdas import by_group
+
+    return by_group((row.get("auto") or {}).get("lambda_auto") or {})
+
+
+def searched_lambdas(row: dict[str, Any]) -> dict[str, list[float]]:
+    """The search's best λ per module group (every block's), from ``best_values``."""
+    found: dict[str, list[float]] = {}
+    for name, value in (row.get("best_values") or {}).items():
+        _, _, groups = name.partition(".")
+        for group in groups.split("+"):
+            if group not in ("scale", "epsilon"):
+                found.setdefault(group, []).append(float(value))
+    return found
+
+
+def plot_evidence_lambdas(results: dict[str, Any], path: Path) -> Path | None:
+    """Per mode, each anchor's λ per module group: chosen by the evidence (every weight, dots; their
+    median, a bar) against the search's best (crosses), on one log axis."""
+    rows = [r for r in results.get("rows") or [] if r.get("setting") != "anchor" and evidence_lambdas(r)]
+    if not rows:
+        return None
+    import numpy as np
+
+    plt = _pyplot()
+    modes = sorted({r["setting"] for r in rows})
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.2), squeeze=False)
+    for ax, mode in zip(axes.flat, modes):
+        picked = [r for r in rows if r["setting"] == mode]
+        groups = sorted({g for r in picked for g in evidence_lambdas(r)})
+        width = 0.8 / max(len(picked), 1)
+        for i, row in enumerate(picked):
+            color = f"C{i}"
+            chosen, searched = evidence_lambdas(row), searched_lambdas(row)
+            for j, group in enumerate(groups):
+                x = j + (i - (len(picked) - 1) / 2) * width
+                values = chosen.get(group) or []
+                ax.plot([x] * len(values), values, ".", color=color, alpha=0.5, markersize=4)
+                if values:
+                    ax.plot([x - width / 3, x + width / 3], [float(np.median(values))] * 2, color=color)
+                for value in searched.get(group) or []:
+                    ax.plot(x, value, "x", color=color, markersize=7)
+            ax.plot([], [], "s", color=color, label=ANCHOR_LABELS.get(row["anchor"], row["anchor"]))
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set_ylabel("λ (dimensionless)")
+        ax.set_title(f"{mode.replace('_', '-')}: λ from the evidence (dots, median bar) vs searched (×)")
+        ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{results['name']}: the evidence's λ per weight against the search's", fontsize=10)
     return _save(fig, path, dpi=110)
 
 

@@ -165,6 +165,9 @@ def summary_markdown(results: dict[str, Any]) -> str:
     proposed = any("candidate_score" in cell for cell in summary)
     if proposed:
         header.append("BMM at a proposed default (Δ; share)")
+    evidence = any("auto_score" in cell for cell in summary)
+    if evidence:
+        header.append("BMM at `lambda: auto` (Δ; share; vs the search)")
     lines = table_head(header)
     for cell in summary:
         versus_best = (
@@ -182,6 +185,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
             f"{100 * cell['delta']:+.1f} [{100 * cell['delta_low']:.1f}, {100 * cell['delta_high']:.1f}] | "
             f"{versus_best} | {lands} | {_defaults_cell(cell)} |"
             + (f" {_defaults_cell(cell, 'candidate')} |" if proposed else "")
+            + (f" {_auto_cell(cell)} |" if evidence else "")
         )
     counts = results.get("verdict") or {}
     tally = "; ".join(
@@ -209,7 +213,25 @@ def summary_markdown(results: dict[str, Any]) -> str:
     )
     if tried:
         text += f" A proposed default (chosen on validation in the sweeps) reaching it — {tried}."
+    automatic = "; ".join(
+        f"{mode}: {c['auto_reach_80']} of the {c['search_gained']}"
+        for mode, c in counts.items()
+        if "auto_reach_80" in c
+    )
+    if automatic:
+        text += (
+            " BMM at `lambda: auto` (λ per weight from the evidence, s 1; no validation data) reaching it "
+            f"— {automatic}."
+        )
     return text
+
+
+def _auto_cell(cell: dict[str, Any]) -> str:
+    """The ``lambda: auto`` merge: against the anchor (share of the search's Δ) and against the search."""
+    if "auto_score" not in cell:
+        return "–"
+    versus = cell.get("auto_vs_search")
+    return _defaults_cell(cell, "auto") + (f"; {interval_text(versus, True)}" if versus else "")
 
 
 def _parameters(cell: dict[str, Any]) -> str:
