@@ -122,3 +122,24 @@ def test_output_and_force(args, printed):
 def test_a_missing_output_is_named():
     missing = CliRunner().invoke(probe, ["a"])
     assert missing.exit_code == 2 and "missing OUT_PATH" in missing.output
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "says"),
+    [
+        (
+            "mergekit-bmm-search",
+            ["search.yml", "--out", "X"],
+            "OUT_PATH is positional now: mergekit-bmm-search",
+        ),
+        ("mergekit-bmm-stats", ["stats.yml", "--out", "X"], "OUT_PATH is positional now: mergekit-bmm-stats"),
+        ("mergekit-bmm-sample", ["r.yml", "o", "--seed", "3"], "use mergekit's --random-seed 3"),
+        ("mergekit-bmm-publish", ["m", "--repo", "a/b"], "REPO_ID is positional now: mergekit-bmm-publish"),
+        ("mergekit-bmm-align", ["r.yml", "o", "--overwrite"], "it is --force now"),
+    ],
+)
+def test_options_of_earlier_versions_name_their_replacement(name, args, says):
+    result = CliRunner().invoke(click_command(name), args, prog_name=name)
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and says in lines[0] and "was removed" in lines[0], result.output

@@ -28,10 +28,25 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def model_link(model: InputModel) -> str:
-    """A Hub link for a Hub model, else the local path in code."""
+    """A Hub link for a Hub model, else the local path in code; a LoRA input names its base and
+    its adapter."""
+    if model.adapter:
+        base = _link(model.hub_id) if model.hub_id else f"`{model.reference.split('+', 1)[0]}`"
+        return f"{base} with the LoRA adapter {_link_or_path(model.adapter)}"
     if model.hub_id:
-        return f"[{model.hub_id}](https://huggingface.co/{model.hub_id})"
+        return _link(model.hub_id)
     return f"`{model.reference}`"
+
+
+def _link(repo_id: str) -> str:
+    return f"[{repo_id}](https://huggingface.co/{repo_id})"
+
+
+def _link_or_path(reference: str) -> str:
+    from mergekit_bmm.io.hub_models import is_hub_id
+
+    repo_id = reference.partition("@")[0]
+    return _link(repo_id) if is_hub_id(repo_id) else f"`{reference}`"
 
 
 def decimal_places(values: Sequence[float], digits: int = 4) -> int:

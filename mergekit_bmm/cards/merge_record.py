@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, Field
 
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.io.fingerprint import model_fingerprint, weight_files
+from mergekit_bmm.io.fingerprint import model_fingerprint, reference_fingerprint, weight_files
 from mergekit_bmm.io.versioned_json import read_versioned, write_versioned
 
 RECORD_FILE = "mergekit_bmm_merge.json"
@@ -34,9 +34,10 @@ FORMAT_VERSION = 1
 
 
 class InputRecord(BaseModel):
-    model: str
+    model: str  # as the recipe names it: a folder, a Hub id, or BASE+ADAPTER
     role: Literal["base", "expert", "anchor"]
-    fingerprint: str = ""
+    fingerprint: str = ""  # of the weights (a Hub id's cached snapshot; base and adapter together)
+    revision: str = ""  # the commit a Hub id resolved to
 
 
 class MergeRecord(BaseModel):
@@ -150,15 +151,24 @@ def read_record(folder: str | Path) -> MergeRecord | None:
 
 
 def input_records(view: RecipeView) -> list[InputRecord]:
-    """Each input of the recipe with its weights' fingerprint as they are now."""
-    return [
-        InputRecord(
-            model=model.reference,
-            role=model.role,
-            fingerprint=model_fingerprint(model.local_path) if model.local_path else "",
+    """Each input of the recipe with its weights' fingerprint as they are now (and, for a Hub id,
+    the commit of the snapshot that was merged)."""
+    from mergekit_bmm.io.hub_models import cached_folder, snapshot_commit
+
+    records = []
+    for model in view.inputs:
+        base = model.reference.split("+", 1)[0]
+        repo_id, _, revision = base.partition("@")
+        snapshot = cached_folder(repo_id, revision or None) if model.local_path is None else None
+        records.append(
+            InputRecord(
+                model=model.reference,
+                role=model.role,
+                fingerprint=reference_fingerprint(model.reference),
+                revision=snapshot_commit(snapshot) if snapshot is not None else "",
+            )
         )
-        for model in view.inputs
-    ]
+    return records
 
 
 def record_merge(

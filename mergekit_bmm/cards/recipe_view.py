@@ -41,10 +41,13 @@ class InputModel:
     parameters: Mapping[str, Any]
     local_path: Path | None
     hub_id: str | None
+    adapter: str | None = None  # the LoRA adapter of a ``BASE+ADAPTER`` input (path or Hub id)
 
     @property
     def card_id(self) -> str:
         """How the card's ``base_model`` names it: the Hub id if known, else the local folder."""
+        if self.adapter:
+            return self.reference
         if self.hub_id:
             return self.hub_id
         return str(self.local_path) if self.local_path is not None else self.reference
@@ -137,14 +140,14 @@ def _describe_input(reference: Any, role: str, parameters: Mapping[str, Any] | N
     path = reference.model.path
     text = str(reference)
     local = local_folder(path)
-    # A LoRA-patched input is not the repo itself: no Hub id (the recipe keeps both).
-    hub_id = hub_id_of(path, local) if reference.lora is None else None
+    adapter = getattr(reference.lora, "path", None)
     return InputModel(
         reference=text,
         role=role,
         parameters=dict(parameters or {}),
         local_path=local,
-        hub_id=hub_id,
+        hub_id=hub_id_of(path, local),  # of the base, for a BASE+ADAPTER input
+        adapter=adapter,
     )
 
 

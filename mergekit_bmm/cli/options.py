@@ -104,6 +104,36 @@ def apply_options(merge_options) -> None:
             raise
 
 
+class MovedOption(click.ClickException):
+    """An option of an earlier version, named with its replacement in one line (click's usage exit)."""
+
+    exit_code = 2
+
+
+def moved_option(old: str, replacement: Callable[[click.Context, Any], str], flag: bool = False) -> Callable:
+    """A hidden ``old`` option that fails in one line saying how to write it now."""
+
+    def refuse(ctx: click.Context, _param: click.Parameter, value: Any) -> None:
+        if value:
+            raise MovedOption(f"{old} was removed; {replacement(ctx, value)}")
+
+    extra: dict[str, Any] = {"is_flag": True} if flag else {"default": None}
+    return click.option(old, hidden=True, expose_value=False, callback=refuse, **extra)
+
+
+def _first_positional(ctx: click.Context) -> str:
+    """The command's first positional as given (its metavar when not given yet)."""
+    argument = next((p for p in ctx.command.params if isinstance(p, click.Argument)), None)
+    if argument is None:
+        return ""
+    given = ctx.params.get(argument.name or "")
+    return str(given) if given is not None else argument.make_metavar(ctx)
+
+
+def _positional_out(ctx: click.Context, value: Any) -> str:
+    return f"OUT_PATH is positional now: {ctx.info_name} {_first_positional(ctx)} {value}"
+
+
 def output_path(required: bool = True, metavar: str = "OUT_PATH", shown: str | None = None) -> Callable:
     """The second positional, ``OUT_PATH`` (a missing one is named in one line).
     ``shown`` overrides how usage lines print it (a command that checks it itself)."""
@@ -116,14 +146,20 @@ def output_path(required: bool = True, metavar: str = "OUT_PATH", shown: str | N
             return function(*args, out_path=out_path, **kwargs)
 
         usage = shown or (metavar if required else f"[{metavar}]")
+        wrapper = moved_option("--out", _positional_out)(wrapper)
         return click.argument("out_path", metavar=usage, required=False, type=click.Path())(wrapper)
 
     return decorate
 
 
 def force_option(what: str) -> Callable:
-    """``--force``: replace what this command wrote before."""
-    return click.option("--force", is_flag=True, help=f"Replace {what}.")
+    """``--force``: replace what this command wrote before (the earlier ``--overwrite`` says so)."""
+
+    def decorate(function: Callable) -> Callable:
+        renamed = moved_option("--overwrite", lambda ctx, _: "it is --force now", flag=True)
+        return click.option("--force", is_flag=True, help=f"Replace {what}.")(renamed(function))
+
+    return decorate
 
 
 def hub_options(function: Callable) -> Callable:

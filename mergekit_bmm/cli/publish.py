@@ -6,13 +6,14 @@ from pathlib import Path
 
 import click
 
-from mergekit_bmm.cli.options import HubOptions, command, hub_options
+from mergekit_bmm.cli.options import HubOptions, command, hub_options, moved_option
 from mergekit_bmm.errors import exit_on_bmm_error
 
 
 @command("mergekit-bmm-publish")
 @click.argument("model_dir", metavar="MODEL_DIR", type=click.Path(path_type=Path))
 @click.argument("repo_id", metavar="REPO_ID", required=False)
+@moved_option("--repo", lambda ctx, value: f"REPO_ID is positional now: {ctx.info_name} MODEL_DIR {value}")
 @hub_options
 def main(model_dir: Path, repo_id: str | None, hub: HubOptions) -> None:
     """Upload MODEL_DIR (a merge made with mergekit-bmm, or a statistics folder made by

@@ -7,7 +7,14 @@ import math
 
 import click
 
-from mergekit_bmm.cli.options import apply_options, command, force_option, merge_options, output_path
+from mergekit_bmm.cli.options import (
+    apply_options,
+    command,
+    force_option,
+    merge_options,
+    moved_option,
+    output_path,
+)
 from mergekit_bmm.errors import exit_on_bmm_error
 
 
@@ -24,6 +31,7 @@ from mergekit_bmm.errors import exit_on_bmm_error
     help="Sample only tensors whose name contains this (default: every tensor bmm solves).",
 )
 @force_option("an earlier run of this command in OUT_PATH (map/, sample-*/, samples.json)")
+@moved_option("--seed", lambda ctx, value: f"use mergekit's --random-seed {value}")
 @merge_options
 def main(
     merge_options,

@@ -73,3 +73,40 @@ def same_path(left: str | os.PathLike, right: str | os.PathLike) -> bool:
         return Path(left).resolve() == Path(right).resolve()
     except OSError:
         return str(left) == str(right)
+
+
+def _local(part: str) -> Path | None:
+    """The folder one part of a reference names here: a folder, or a Hub id's cached snapshot."""
+    from mergekit_bmm.io.hub_models import cached_folder
+
+    folder = Path(part).expanduser()
+    if folder.is_dir():
+        return folder
+    repo_id, _, revision = part.partition("@")
+    return cached_folder(repo_id, revision or None)
+
+
+def adapter_fingerprint(folder: str | Path) -> str:
+    """Fingerprint of a PEFT adapter folder: its weights and its ``adapter_config.json`` (rank, α
+    and target modules change the update as much as the weights do)."""
+    directory = Path(folder)
+    digest = hashlib.sha256()
+    for path in weight_files(directory) + sorted(directory.glob("adapter_config.json")):
+        file_fingerprint(path, digest)
+    return "sha256:" + digest.hexdigest()[:32]
+
+
+def reference_fingerprint(reference: str) -> str:
+    """Fingerprint of a model reference as a recipe writes it: a folder, a Hub id (its snapshot in
+    the cache) or ``BASE+ADAPTER`` (the base's and the adapter's together, so each adapter of one
+    base is told apart); "" when a part is not on this machine."""
+    base, _, adapter = str(reference).partition("+")
+    folder = _local(base)
+    fingerprint = model_fingerprint(folder) if folder is not None else ""
+    if not adapter or not fingerprint:
+        return fingerprint
+    adapter_folder = _local(adapter)
+    if adapter_folder is None:
+        return ""
+    combined = hashlib.sha256(f"{fingerprint}+{adapter_fingerprint(adapter_folder)}".encode())
+    return "sha256:" + combined.hexdigest()[:32]

@@ -20,6 +20,18 @@ def model_dir(reference: str | Path) -> Path:
     return Path(str(reference).split("+", 1)[0])
 
 
+def local_model_dir(reference: str | Path) -> Path:
+    """:func:`model_dir`, with a Hub id (``ORG/NAME`` or ``ORG/NAME@REVISION``) resolved to its
+    snapshot in huggingface_hub's cache (fetched first when missing and online)."""
+    from mergekit_bmm.io.hub_models import is_hub_id, model_folder
+
+    folder = model_dir(reference)
+    if folder.exists():
+        return folder
+    repo_id, _, revision = str(folder).partition("@")
+    return model_folder(repo_id, revision or None) if is_hub_id(repo_id) else folder
+
+
 @lru_cache(maxsize=64)
 def _config(path: str, stamp: int) -> Any:
     from transformers import AutoConfig, PretrainedConfig
@@ -33,15 +45,16 @@ def _config(path: str, stamp: int) -> Any:
 
 
 def model_config(reference: str | Path) -> Any:
-    """The folder's configuration; a one-line error if it has none."""
-    folder = model_dir(reference)
+    """The folder's (or Hub id's) configuration; a one-line error if it has none."""
+    folder = local_model_dir(reference)
     path = folder / "config.json"
     try:
         stamp = path.stat().st_mtime_ns
         return _config(str(folder), stamp)
     except (OSError, ValueError) as error:
         raise ConfigError(
-            f"cannot read {path} ({type(error).__name__}): a model must be a local folder with a config.json"
+            f"cannot read {path} ({type(error).__name__}): a model must be a local folder with a "
+            "config.json, or a Hub id"
         ) from None
 
 
@@ -94,14 +107,16 @@ def num_layers_of(reference: str | Path) -> int:
         layers = getattr(candidate, "num_hidden_layers", None)
         if isinstance(layers, int):
             return layers
-    raise ConfigError(f"{model_dir(reference) / 'config.json'} does not say how many layers the model has")
+    raise ConfigError(
+        f"{local_model_dir(reference) / 'config.json'} does not say how many layers the model has"
+    )
 
 
 def weight_names_of(reference: str | Path) -> list[str]:
-    """Tensor names of a local checkpoint (safetensors headers only)."""
+    """Tensor names of a checkpoint, local or by Hub id (safetensors headers only)."""
     from safetensors import safe_open
 
-    directory = model_dir(reference)
+    directory = local_model_dir(reference)
     names: list[str] = []
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
@@ -116,7 +131,7 @@ def weight_shapes_of(reference: str | Path) -> dict[str, tuple[int, ...]]:
     from safetensors import safe_open
 
     shapes: dict[str, tuple[int, ...]] = {}
-    for path in sorted(model_dir(reference).glob("*.safetensors")):
+    for path in sorted(local_model_dir(reference).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
                 shapes[name] = tuple(handle.get_slice(name).get_shape())

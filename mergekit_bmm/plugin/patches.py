@@ -26,6 +26,18 @@ off (mergekit's card asks the Hub, and its ``is_hf`` crashes offline on relative
 once the weights are written, writes the merge record, the plugin's card
 (:mod:`mergekit_bmm.cards.card`; a minimal card if that fails) and ``mergekit_config.yml``
 itself, as mergekit would have. Every other merge is mergekit's own, card included.
+
+``hub_cache_first`` (``mergekit.common.ModelReference.local_path``, reached through
+``mergekit.merge``) — mergekit 0.1.5 resolves a Hub id by calling ``list_repo_files`` before
+``snapshot_download``, a network call even when the snapshot is cached, so every merge of Hub ids
+fails under ``HF_HUB_OFFLINE=1``. The patch returns the cached snapshot (one holding weights) when
+there is one; offline without one it fails in one line naming the id and ``hf download``; online
+it leaves the download to mergekit.
+
+``ordered_models`` (``mergekit.config.MergeConfiguration.referenced_models``) — mergekit 0.1.5
+returns ``list(set(...))``: the models' order, and so the ids ``tokenizer_source: union`` gives
+added tokens, change with ``PYTHONHASHSEED``. The patch returns the same models in the recipe's
+order (base first), each once.
 """
 
 from __future__ import annotations
@@ -144,6 +156,83 @@ def _install_optional_alias_check(plan_module) -> None:
     planner.plan_tensor = plan_tensor
 
 
+# ---------------------------------------------------------------- hub_cache_first
+
+
+def lists_repo_files(merge_module: Any) -> bool:
+    """Whether mergekit resolves a Hub id by listing the repo's files (a network call even when
+    the snapshot is cached, so ``HF_HUB_OFFLINE=1`` fails)."""
+    import inspect
+
+    local_path = getattr(getattr(merge_module, "ModelReference", None), "local_path", None)
+    if local_path is None:
+        return False
+    names = list(inspect.signature(local_path).parameters)
+    return names[:3] == ["self", "cache_dir", "ignore_lora"] and "list_repo_files" in inspect.getsource(
+        local_path
+    )
+
+
+def _install_hub_cache_first(merge_module) -> None:
+    reference_class = merge_module.ModelReference
+    original = reference_class.local_path
+
+    @functools.wraps(original)
+    def local_path(self, cache_dir=None, ignore_lora=False):
+        from mergekit_bmm.io.hub_models import cached_folder, is_hub_id, model_folder
+
+        path, revision = self.model.path, self.model.revision
+        if cache_dir is not None or not is_hub_id(path) or (self.lora is not None and not ignore_lora):
+            return original(self, cache_dir, ignore_lora)  # mergekit's own rules (and its assertion)
+        cached = cached_folder(path, revision)
+        if cached is not None:
+            return str(cached)
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_OFFLINE:
+            return str(model_folder(path, revision))  # one line naming the id and how to fetch it
+        return original(self, cache_dir, ignore_lora)
+
+    setattr(local_path, _MARK, True)
+    reference_class.local_path = local_path
+
+
+# ----------------------------------------------------------------- ordered_models
+
+
+def models_from_a_set(merge_module: Any) -> bool:
+    """Whether mergekit gathers a recipe's models in a set (their order then follows the hash seed)."""
+    import inspect
+
+    method = getattr(getattr(merge_module, "MergeConfiguration", None), "referenced_models", None)
+    return method is not None and "set()" in inspect.getsource(method)
+
+
+def _install_ordered_models(merge_module) -> None:
+    configuration = merge_module.MergeConfiguration
+    original = configuration.referenced_models
+
+    @functools.wraps(original)
+    def referenced_models(self):
+        """The same models, in the recipe's order (base first), each once."""
+        ordered = []
+        if self.base_model:
+            ordered.append(self.base_model)
+        for item in self.models or []:
+            ordered.append(item.model)
+        for piece in self.slices or []:
+            ordered.extend(source.model for source in piece.sources)
+        for module in (self.modules or {}).values():
+            ordered.extend(item.model for item in module.models or [])
+            for piece in module.slices or []:
+                ordered.extend(source.model for source in piece.sources)
+        found = list(dict.fromkeys(ordered))
+        return found if set(found) == set(original(self)) else original(self)
+
+    setattr(referenced_models, _MARK, True)
+    configuration.referenced_models = referenced_models
+
+
 # ------------------------------------------------------------------ merge_wrapper
 
 
@@ -181,6 +270,46 @@ def write_plugin_card(
     (out_dir / "mergekit_config.yml").write_text(config_yaml, encoding="utf-8")
 
 
+def fetch_hub_inputs(merge_config: Any) -> None:
+    """Every model and adapter the recipe names by Hub id, from the cache (fetched first when online):
+    a missing one is one line naming it before mergekit reads anything."""
+    from mergekit_bmm.io.hub_models import is_hub_id, model_folder
+
+    for reference in merge_config.referenced_models():
+        for part in (reference.model, reference.lora):
+            if part is not None and is_hub_id(part.path):
+                model_folder(part.path, part.revision)
+
+
+def with_lora_cache(merge_config: Any, options: Any) -> Any:
+    """``options`` with a LoRA merge cache when the recipe has ``BASE+ADAPTER`` inputs and none was
+    given (mergekit stops otherwise): the default, per adapters' content (:func:`default_lora_cache`)."""
+    if getattr(options, "lora_merge_cache", None):
+        return options
+    loras = sorted(str(m) for m in merge_config.referenced_models() if getattr(m, "lora", None) is not None)
+    if not loras:
+        return options
+    folder = default_lora_cache(loras)
+    LOG.info("mergekit-bmm: LoRA experts are merged into their base once, in %s", folder)
+    return options.model_copy(update={"lora_merge_cache": str(folder)})
+
+
+def default_lora_cache(references: list[str]) -> Path:
+    """``$MERGEKIT_BMM_CACHE`` (default ``~/.cache/mergekit-bmm``) ``/lora-merges/<digest>``, the digest
+    over the base's and each adapter's content: a changed adapter is merged again, never reused stale
+    (mergekit names its merged copies by path alone)."""
+    import hashlib
+    import os
+
+    from mergekit_bmm.io.fingerprint import reference_fingerprint
+
+    root = os.environ.get("MERGEKIT_BMM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mergekit-bmm"
+    )
+    content = "\n".join(f"{ref}={reference_fingerprint(ref)}" for ref in references)
+    return Path(root) / "lora-merges" / hashlib.sha256(content.encode()).hexdigest()[:16]
+
+
 def _install_merge_wrapper(merge_module) -> None:
     from mergekit_bmm.plugin import method_names
     from mergekit_bmm.recipes import preflight
@@ -193,6 +322,9 @@ def _install_merge_wrapper(merge_module) -> None:
         merge_started(ours)
         kept_at_anchor.reset()
         chosen_lambdas.reset()
+        if ours:
+            fetch_hub_inputs(merge_config)
+            options = with_lora_cache(merge_config, options)
         card = ours and bool(getattr(options, "write_model_card", False))
         if card:  # written here, after the weights: mergekit's card would ask the Hub
             options = options.model_copy(update={"write_model_card": False})
@@ -233,6 +365,25 @@ PATCHES = (
         "bad recipes fail with mergekit's traceback instead of one line, OUT_PATH is not guarded, and bmm "
         "merges get mergekit's generic model card (which asks the Hub) and no merge record, so "
         "mergekit-bmm-publish refuses them",
+    ),
+    Patch(
+        "hub_cache_first",
+        "mergekit.merge",
+        "ModelReference.local_path",
+        lists_repo_files,
+        _install_hub_cache_first,
+        "models named by Hub id are looked up on the Hub even when cached, so HF_HUB_OFFLINE=1 merges fail",
+        absent_is_fine=True,
+    ),
+    Patch(
+        "ordered_models",
+        "mergekit.merge",
+        "MergeConfiguration.referenced_models",
+        models_from_a_set,
+        _install_ordered_models,
+        "the order of a recipe's models, and with `tokenizer_source: union` the ids of added tokens, "
+        "follow PYTHONHASHSEED: the same recipe need not give the same model twice",
+        absent_is_fine=True,
     ),
 )
 _WARNED: set[str] = set()

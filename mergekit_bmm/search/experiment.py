@@ -18,10 +18,10 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from mergekit_bmm.core.module_map import filter_rules, outside_groups
-from mergekit_bmm.errors import ConfigError, OutputFolderError
+from mergekit_bmm.errors import OutputFolderError
 from mergekit_bmm.io.atomic import atomic_write_json
-from mergekit_bmm.io.fingerprint import model_fingerprint
-from mergekit_bmm.io.model_folder import model_type_of, weight_names_of, weight_shapes_of
+from mergekit_bmm.io.fingerprint import reference_fingerprint
+from mergekit_bmm.io.model_folder import local_model_dir, model_type_of, weight_names_of, weight_shapes_of
 from mergekit_bmm.recipes.parse import mergekit_configuration
 from mergekit_bmm.search.config import SearchConfig, canonical_hash, load_template
 from mergekit_bmm.search.space import SearchSpace, TrialRecipes
@@ -47,15 +47,16 @@ def prepare_experiment(config: SearchConfig, cache_dir: Path | None) -> Experime
     """Read and check everything the search needs; ``cache_dir`` is bmm's factor cache (or None)."""
     template = load_template(config)
     base = str(template["base_model"])
-    if not Path(base).is_dir():
-        raise ConfigError(f"base_model {base} is not a local folder; the search needs local checkpoints")
+    for reference in [base] + [str(item["model"]) for item in template["models"]]:
+        for part in reference.split("+", 1):  # a Hub id from the cache, fetched first when online
+            local_model_dir(part)
     weight_names = weight_names_of(base)
     space = SearchSpace.from_config(config, template, weight_names)
     models = [base] + [str(item["model"]) for item in template["models"]]
     definition = {
         "search": config.experiment_key(),
         "recipe": template,
-        "models": {path: model_fingerprint(path) for path in models},
+        "models": {path: reference_fingerprint(path) for path in models},
     }
     recipes = TrialRecipes(template, space, weight_names, cache_dir)
     _check_with_mergekit(recipes, space)

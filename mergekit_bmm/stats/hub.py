@@ -19,10 +19,10 @@ from pathlib import Path
 
 from mergekit_bmm.errors import ConfigError, StatisticsError
 from mergekit_bmm.io.hub_ids import looks_like_repo_id
+from mergekit_bmm.io.hub_models import cached_folder, model_folder, snapshot_commit
 
 HF_PREFIX = "hf://"
 STATS_PATTERNS = ["manifest.json", "*.safetensors", "README.md"]
-MODEL_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -99,33 +99,20 @@ class ResolvedModel:
 
 
 def resolve_model(model: str, revision: str | None = None) -> ResolvedModel:
-    """A local folder as is; a Hub id downloaded (weights, config, tokenizer) into the cache."""
+    """A local folder as is; a Hub id from the cache, downloaded (weights, config, tokenizer) when
+    it is not there and the process is online (:func:`mergekit_bmm.io.hub_models.model_folder`)."""
     folder = Path(model).expanduser()
     if folder.is_dir():
         return ResolvedModel(folder)
     if not looks_like_repo_id(model):
         raise ConfigError(f"model {model} is neither a local folder nor a Hub repo id (ORG/NAME)")
-    try:
-        path = _fetch(HubReference(model, revision), MODEL_PATTERNS)
-    except Exception as error:
-        named = f"{model}@{revision}" if revision else model
-        raise ConfigError(
-            f"model {named}: cannot fetch it from the Hub ({_why(error)}); "
-            "check the id and revision (offline, huggingface_hub's cache must hold it)"
-        ) from None
-    return ResolvedModel(path, model, path.name if _COMMIT.match(path.name) else "")
+    path = model_folder(model, revision)
+    return ResolvedModel(path, model, snapshot_commit(path))
 
 
 def cached_model_folder(model: str, revision: str | None = None) -> Path | None:
     """The local copy of a Hub expert in huggingface_hub's cache (None if there is none)."""
-    if Path(model).expanduser().is_dir() or not looks_like_repo_id(model):
-        return None
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(model, revision=revision, local_files_only=True))
-    except Exception:
-        return None
+    return cached_folder(model, revision)
 
 
 def fetch_dataset(name: str, revision: str | None = None) -> tuple[Path, str]:

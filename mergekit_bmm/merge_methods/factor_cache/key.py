@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from mergekit.merge_methods.base import TensorEntry
 
-from mergekit_bmm.io.fingerprint import file_fingerprint, model_fingerprint
+from mergekit_bmm.io.fingerprint import file_fingerprint, reference_fingerprint
 from mergekit_bmm.merge_methods.bmm_anchor import AnchorSource
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
 from mergekit_bmm.merge_methods.factor_cache.store import CACHE_FORMAT
@@ -68,20 +68,6 @@ def sample_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(_tensor_bytes(flat)).hexdigest()[:32]
 
 
-def reference_fingerprint(entry_id: Any) -> str:
-    """Fingerprint of a mergekit ModelReference's local folders ("" when not all are local)."""
-    parts = []
-    for model_path in (getattr(entry_id, "model", None), getattr(entry_id, "lora", None)):
-        if model_path is None:
-            continue
-        path = getattr(model_path, "path", None)
-        fingerprint = model_fingerprint(path) if isinstance(path, str) else ""
-        if not fingerprint:
-            return ""
-        parts.append(fingerprint)
-    return "+".join(parts)
-
-
 def input_identity(entry: TensorEntry, role: str) -> dict[str, Any]:
     identity = {
         "role": role,
@@ -89,7 +75,7 @@ def input_identity(entry: TensorEntry, role: str) -> dict[str, Any]:
         "shape": list(entry.tensor.shape),
         "dtype": str(entry.tensor.dtype),
     }
-    fingerprint = reference_fingerprint(entry.id)
+    fingerprint = reference_fingerprint(str(entry.id))  # a Hub id's snapshot, BASE+ADAPTER both
     if fingerprint:
         identity.update(fingerprint=fingerprint, sample=sample_digest(entry.tensor))
     else:

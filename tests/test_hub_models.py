@@ -1,0 +1,228 @@
+"""Models as people hold them: Hub ids served from a cache laid out as huggingface_hub lays it out
+(offline), LoRA adapters as experts, and recipes whose output does not depend on the hash seed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import load_weights, relative_error
+from hf_cache import lay_out
+
+from mergekit_bmm.cards.merge_record import read_record
+from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.io import hub_models
+from mergekit_bmm.plugin.run import merge_recipe_text
+
+BIN = Path(sys.executable).parent
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    from mergekit_bmm.examples.tiny_models import make_tiny_family
+
+    return make_tiny_family(tmp_path_factory.mktemp("hub"), "llama", n_experts=2, hidden=32, layers=2)
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """An empty Hugging Face cache, offline, for this process and the commands it starts."""
+    import huggingface_hub
+
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    hub_models._cached.cache_clear()
+    yield cache
+    hub_models._cached.cache_clear()
+
+
+def _recipe(base: str, experts: list[str], **parameters) -> dict:
+    return {
+        "merge_method": "bmm",
+        "base_model": base,
+        "models": [{"model": e, "parameters": {"weight": 0.5}} for e in experts],
+        "parameters": {"anchor_method": "task_arithmetic", "lambda": 0.1, **parameters},
+        "dtype": "float32",
+    }
+
+
+def _publish(cache: Path, family) -> dict[str, str]:
+    """The family in the cache as org/base, org/expert-a, ...; their commits."""
+    return {
+        f"org/{folder.name}": lay_out(cache, f"org/{folder.name}", folder)
+        for folder in (family.base, *family.experts)
+    }
+
+
+def test_stock_mergekit_yaml_merges_hub_ids_offline_from_the_cache(family, hub, tmp_path):
+    commits = _publish(hub, family)
+    recipe = tmp_path / "merge.yml"
+    recipe.write_text(yaml.safe_dump(_recipe("org/base", ["org/expert-a", "org/expert-b"])))
+    out = tmp_path / "by-id"
+    done = subprocess.run(
+        [str(BIN / "mergekit-yaml"), str(recipe), str(out)], capture_output=True, text=True, env=os.environ
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    local = tmp_path / "by-path"
+    merge_recipe_text(yaml.safe_dump(_recipe(str(family.base), [str(p) for p in family.experts])), local)
+    by_id, by_path = load_weights(out), load_weights(local)
+    assert all(torch.equal(by_id[name], by_path[name]) for name in by_path)
+    record = read_record(out)
+    assert {item.model: item.revision for item in record.inputs} == commits
+    local_prints = {Path(item.model).name: item.fingerprint for item in read_record(local).inputs}
+    assert all(item.fingerprint == local_prints[item.model.split("/")[1]] for item in record.inputs)
+    card = (out / "README.md").read_text()
+    assert "[org/expert-a](https://huggingface.co/org/expert-a)" in card
+
+
+def test_a_model_missing_from_the_cache_is_one_line_naming_it(family, hub, tmp_path):
+    _publish(hub, family)
+    recipe = tmp_path / "merge.yml"
+    recipe.write_text(yaml.safe_dump(_recipe("org/base", ["org/expert-a", "org/expert-zzz"])))
+    done = subprocess.run(
+        [str(BIN / "mergekit-yaml"), str(recipe), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=os.environ,
+    )
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert "org/expert-zzz is not in the Hugging Face cache" in lines[-1]
+    assert "hf download org/expert-zzz" in lines[-1] and "Traceback" not in done.stderr
+
+
+def test_a_search_on_hub_ids_runs_offline_and_keeps_the_ids(family, hub, tmp_path):
+    from mergekit_bmm.search import SearchOptions, parse_search_config, run_search
+
+    _publish(hub, family)
+    raw = {
+        "recipe": _recipe("org/base", ["org/expert-a", "org/expert-b"]),
+        "blocks": 1,
+        "budget": 2,
+        "n_initial": 2,
+        "evaluator": {
+            "type": "python",
+            "callable": "search_objectives:per_task_scores",
+            "python_path": [str(TESTS)],
+        },
+    }
+    result = run_search(
+        parse_search_config(raw, TESTS), tmp_path / "search", SearchOptions(progress=False, device="cpu")
+    )
+    assert result.summary.status == "finished" and result.summary.completed_trials == 2
+    best = yaml.safe_load((tmp_path / "search" / "best.yml").read_text())
+    assert best["base_model"] == "org/base"
+    record = read_record(tmp_path / "search" / "best")
+    assert all(item.revision for item in record.inputs)
+
+
+def test_a_search_on_a_missing_hub_id_is_one_line(family, hub, tmp_path):
+    from mergekit_bmm.search import SearchOptions, parse_search_config, run_search
+
+    raw = {
+        "recipe": _recipe("org/base", ["org/expert-a"]),
+        "budget": 2,
+        "n_initial": 2,
+        "evaluator": {"type": "python", "callable": "search_objectives:per_task_scores"},
+    }
+    with pytest.raises(ConfigError, match="org/base is not in the Hugging Face cache"):
+        run_search(parse_search_config(raw, TESTS), tmp_path / "s", SearchOptions(progress=False))
+
+
+def _adapter(base: Path, folder: Path, seed: int) -> Path:
+    """A rank-2 PEFT LoRA adapter on every linear module of ``base``, with non-zero factors."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    config = LoraConfig(
+        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0, 0.05)
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+def test_lora_experts_merge_with_no_flag_and_are_told_apart(family, tmp_path, monkeypatch):
+    monkeypatch.setenv("MERGEKIT_BMM_CACHE", str(tmp_path / "cache"))
+    base = str(family.base)
+    adapters = [_adapter(family.base, tmp_path / f"adapter-{i}", seed=i) for i in range(2)]
+    experts = [f"{base}+{adapter}" for adapter in adapters]
+    out = tmp_path / "merged"
+    merge_recipe_text(yaml.safe_dump(_recipe(base, experts)), out)
+    record = read_record(out)
+    prints = [item.fingerprint for item in record.inputs]
+    assert len(set(prints)) == 3 and all(prints)  # base, and each adapter on it, told apart
+    assert "with the LoRA adapter" in (out / "README.md").read_text()
+    merged_copies = list((tmp_path / "cache" / "lora-merges").glob("*/*"))
+    assert len(merged_copies) == 2  # each adapter merged into the base once, under the default cache
+    # The same as merging the adapters into full models first and merging those.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    dense = []
+    for index, adapter in enumerate(adapters):
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter))
+        folder = tmp_path / f"dense-{index}"
+        model.merge_and_unload().save_pretrained(folder)
+        dense.append(str(folder))
+    reference = tmp_path / "dense-merge"
+    merge_recipe_text(yaml.safe_dump(_recipe(base, dense)), reference)
+    merged, expected = load_weights(out), load_weights(reference)
+    assert max(relative_error(merged[n], expected[n]) for n in expected) < 1e-6
+    # A changed adapter is a new expert: a new fingerprint, merged again.
+    _adapter(family.base, adapters[0], seed=7)
+    again = tmp_path / "again"
+    merge_recipe_text(yaml.safe_dump(_recipe(base, experts)), again)
+    assert read_record(again).inputs[1].fingerprint != prints[1]
+    assert len(list((tmp_path / "cache" / "lora-merges").glob("*/*"))) == 4
+
+
+def _with_added_token(source: Path, folder: Path, token: str) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(source), AutoTokenizer.from_pretrained(source)
+    tokenizer.add_tokens([token])
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_union_tokenizer_recipe_is_byte_identical_under_any_hash_seed(family, tmp_path):
+    experts = [
+        _with_added_token(path, tmp_path / f"tok-{i}", f"<new-{i}>") for i, path in enumerate(family.experts)
+    ]
+    recipe = _recipe(str(family.base), [str(e) for e in experts])
+    recipe["tokenizer_source"] = "union"
+    path = tmp_path / "union.yml"
+    path.write_text(yaml.safe_dump(recipe))
+    outputs = []
+    for seed in ("1", "2", "3"):
+        out = tmp_path / f"seed-{seed}"
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        done = subprocess.run(
+            [str(BIN / "mergekit-yaml"), str(path), str(out)], capture_output=True, text=True, env=env
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        weights = b"".join(p.read_bytes() for p in sorted(out.glob("*.safetensors")))
+        vocabulary = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
+        outputs.append((weights, json.dumps(vocabulary)))
+    assert outputs[0] == outputs[1] == outputs[2]
