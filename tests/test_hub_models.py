@@ -1,5 +1,6 @@
-"""Models as people hold them: Hub ids served from a cache laid out as huggingface_hub lays it out
-(offline), LoRA adapters as experts, and recipes whose output does not depend on the hash seed."""
+"""Models as people hold them: Hub ids missing from an offline cache (the walkthrough,
+test_walkthrough.py, runs the cached ones), LoRA adapters as experts, and recipes whose output does
+not depend on the hash seed."""
 
 from __future__ import annotations
 
@@ -66,27 +67,6 @@ def _publish(cache: Path, family) -> dict[str, str]:
     }
 
 
-def test_stock_mergekit_yaml_merges_hub_ids_offline_from_the_cache(family, hub, tmp_path):
-    commits = _publish(hub, family)
-    recipe = tmp_path / "merge.yml"
-    recipe.write_text(yaml.safe_dump(_recipe("org/base", ["org/expert-a", "org/expert-b"])))
-    out = tmp_path / "by-id"
-    done = subprocess.run(
-        [str(BIN / "mergekit-yaml"), str(recipe), str(out)], capture_output=True, text=True, env=os.environ
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    local = tmp_path / "by-path"
-    merge_recipe_text(yaml.safe_dump(_recipe(str(family.base), [str(p) for p in family.experts])), local)
-    by_id, by_path = load_weights(out), load_weights(local)
-    assert all(torch.equal(by_id[name], by_path[name]) for name in by_path)
-    record = read_record(out)
-    assert {item.model: item.revision for item in record.inputs} == commits
-    local_prints = {Path(item.model).name: item.fingerprint for item in read_record(local).inputs}
-    assert all(item.fingerprint == local_prints[item.model.split("/")[1]] for item in record.inputs)
-    card = (out / "README.md").read_text()
-    assert "[org/expert-a](https://huggingface.co/org/expert-a)" in card
-
-
 def test_a_model_missing_from_the_cache_is_one_line_naming_it(family, hub, tmp_path):
     _publish(hub, family)
     recipe = tmp_path / "merge.yml"
@@ -101,31 +81,6 @@ def test_a_model_missing_from_the_cache_is_one_line_naming_it(family, hub, tmp_p
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert "org/expert-zzz is not in the Hugging Face cache" in lines[-1]
     assert "hf download org/expert-zzz" in lines[-1] and "Traceback" not in done.stderr
-
-
-def test_a_search_on_hub_ids_runs_offline_and_keeps_the_ids(family, hub, tmp_path):
-    from mergekit_bmm.search import SearchOptions, parse_search_config, run_search
-
-    _publish(hub, family)
-    raw = {
-        "recipe": _recipe("org/base", ["org/expert-a", "org/expert-b"]),
-        "blocks": 1,
-        "budget": 2,
-        "n_initial": 2,
-        "evaluator": {
-            "type": "python",
-            "callable": "search_objectives:per_task_scores",
-            "python_path": [str(TESTS)],
-        },
-    }
-    result = run_search(
-        parse_search_config(raw, TESTS), tmp_path / "search", SearchOptions(progress=False, device="cpu")
-    )
-    assert result.summary.status == "finished" and result.summary.completed_trials == 2
-    best = yaml.safe_load((tmp_path / "search" / "best.yml").read_text())
-    assert best["base_model"] == "org/base"
-    record = read_record(tmp_path / "search" / "best")
-    assert all(item.revision for item in record.inputs)
 
 
 def test_a_search_on_a_missing_hub_id_is_one_line(family, hub, tmp_path):
