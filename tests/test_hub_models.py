@@ -181,3 +181,49 @@ def test_a_union_tokenizer_recipe_is_byte_identical_under_any_hash_seed(family, 
         vocabulary = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
         outputs.append((weights, json.dumps(vocabulary)))
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_lora_experts_in_statistics_alignment_and_a_search(family, tmp_path, monkeypatch):
+    from mergekit.common import ModelReference
+    from stats_helpers import write_calibration
+
+    from mergekit_bmm.search import SearchOptions, parse_search_config, run_search
+    from mergekit_bmm.stats.alignment import alignment_rows
+    from mergekit_bmm.stats.collect import collect_statistics
+    from mergekit_bmm.stats.config import parse_stats_config
+    from mergekit_bmm.stats.store import activation_grams_for, load_manifest
+
+    monkeypatch.setenv("MERGEKIT_BMM_CACHE", str(tmp_path / "cache"))
+    base = str(family.base)
+    experts = [f"{base}+{_adapter(family.base, tmp_path / f'adapter-{i}', seed=i)}" for i in range(2)]
+    data = write_calibration(tmp_path / "calibration.jsonl", lines=12)
+    tasks = [{"name": f"task{i}", "model": expert, "data": str(data)} for i, expert in enumerate(experts)]
+    stats = tmp_path / "stats"
+    config = parse_stats_config({"tasks": tasks, "max_length": 32, "max_samples": 8})
+    collect_statistics(config, stats, progress=False)
+    manifest = load_manifest(stats)
+    assert len({task.fingerprint for task in manifest.tasks}) == 2  # each adapter its own expert
+    references = [ModelReference.parse(e) for e in experts]
+    assert [manifest.task_for_model(r, stats).name for r in references] == ["task0", "task1"]
+    name = "model.layers.1.self_attn.q_proj.weight"  # its input went through each adapter
+    grams = activation_grams_for(stats, name, references)
+    assert not torch.equal(grams[0], grams[1])
+    rows = alignment_rows(stats, base, experts, progress=False)  # modules an adapter leaves: undefined
+    touched = [row for row in rows if any(part in row.module for part in ("q_proj", "v_proj", "down_proj"))]
+    assert touched and all(0 <= row.cosine <= 1 for row in touched)
+    out = tmp_path / "assisted"
+    merge_recipe_text(yaml.safe_dump(_recipe(base, experts, gram="activations", stats=str(stats))), out)
+    assert read_record(out).weights_fingerprint
+    raw = {
+        "recipe": _recipe(base, experts),
+        "blocks": 1,
+        "budget": 2,
+        "n_initial": 2,
+        "evaluator": {
+            "type": "python",
+            "callable": "search_objectives:per_task_scores",
+            "python_path": [str(TESTS)],
+        },
+    }
+    result = run_search(parse_search_config(raw, TESTS), tmp_path / "search", SearchOptions(progress=False))
+    assert result.summary.status == "finished" and result.summary.completed_trials == 2

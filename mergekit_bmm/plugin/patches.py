@@ -283,31 +283,18 @@ def fetch_hub_inputs(merge_config: Any) -> None:
 
 def with_lora_cache(merge_config: Any, options: Any) -> Any:
     """``options`` with a LoRA merge cache when the recipe has ``BASE+ADAPTER`` inputs and none was
-    given (mergekit stops otherwise): the default, per adapters' content (:func:`default_lora_cache`)."""
+    given (mergekit stops otherwise): the default, keyed by the adapters' content
+    (:mod:`mergekit_bmm.io.lora_experts`)."""
     if getattr(options, "lora_merge_cache", None):
         return options
     loras = sorted(str(m) for m in merge_config.referenced_models() if getattr(m, "lora", None) is not None)
     if not loras:
         return options
+    from mergekit_bmm.io.lora_experts import default_lora_cache
+
     folder = default_lora_cache(loras)
     LOG.info("mergekit-bmm: LoRA experts are merged into their base once, in %s", folder)
     return options.model_copy(update={"lora_merge_cache": str(folder)})
-
-
-def default_lora_cache(references: list[str]) -> Path:
-    """``$MERGEKIT_BMM_CACHE`` (default ``~/.cache/mergekit-bmm``) ``/lora-merges/<digest>``, the digest
-    over the base's and each adapter's content: a changed adapter is merged again, never reused stale
-    (mergekit names its merged copies by path alone)."""
-    import hashlib
-    import os
-
-    from mergekit_bmm.io.fingerprint import reference_fingerprint
-
-    root = os.environ.get("MERGEKIT_BMM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mergekit-bmm"
-    )
-    content = "\n".join(f"{ref}={reference_fingerprint(ref)}" for ref in references)
-    return Path(root) / "lora-merges" / hashlib.sha256(content.encode()).hexdigest()[:16]
 
 
 def _install_merge_wrapper(merge_module) -> None:

@@ -73,15 +73,18 @@ def merge_recipe_in_memory(
     from mergekit.plan import MergePlanner
 
     from mergekit_bmm.plugin import activate
+    from mergekit_bmm.plugin.patches import fetch_hub_inputs, with_lora_cache
 
     activate()
     quiet_mergekit()
     kept_at_anchor.reset()  # a search merges many times: the tallies must not grow with its trials
     chosen_lambdas.reset()
+    config = parse_recipe(text, source).config
+    fetch_hub_inputs(config)  # as a merge through mergekit-yaml does: Hub ids from the cache
+    options = with_lora_cache(config, options)  # and BASE+ADAPTER experts merged once
     loaders = LoaderCache()
     loaders.loaders.clear()
     loaders.setup(options=options)
-    config = parse_recipe(text, source).config
     if config.tokenizer_source is not None or config.tokenizer is not None:
         raise ValueError("recipes that build a tokenizer cannot be merged in memory")
     arch_info = get_architecture_info(config, options)

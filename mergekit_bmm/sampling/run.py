@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.io.model_folder import local_model_dir
 from mergekit_bmm.merge_methods.bmm import checked_output
 from mergekit_bmm.merge_methods.observer import SolvedTensor, listening
 from mergekit_bmm.sampling import layout
@@ -295,7 +296,7 @@ def sample_models(
     config, text, source = load_recipe(recipe)
     if config.base_model is None:
         raise ConfigError("a bmm recipe needs `base_model:`")
-    check_filter(request, Path(config.base_model.model.path))
+    check_filter(request, local_model_dir(config.base_model.model.path))  # a Hub id: its snapshot
 
     out = Path(out_dir).resolve()
     created = not out.exists()

@@ -108,8 +108,12 @@ def recipe_inputs(recipe: str | Path) -> tuple[str, list[str]]:
 def _loader(model_dir: str):
     from mergekit.io.lazy_tensor_loader import LazyTensorLoader, ShardedTensorIndex
 
-    try:
-        return LazyTensorLoader(ShardedTensorIndex.from_disk(model_dir), lazy_unpickle=False)
+    from mergekit_bmm.io.lora_experts import dense_model
+
+    try:  # a Hub id from the cache, BASE+ADAPTER from its merged copy
+        return LazyTensorLoader(
+            ShardedTensorIndex.from_disk(str(dense_model(model_dir))), lazy_unpickle=False
+        )
     except (RuntimeError, FileNotFoundError):
         raise ConfigError(f"{model_dir} is not a local model folder with weights") from None
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from mergekit_bmm.errors import ConfigError, StatisticsError
 from mergekit_bmm.io.hub_ids import looks_like_repo_id
 from mergekit_bmm.io.hub_models import cached_folder, model_folder, snapshot_commit
+from mergekit_bmm.io.lora_experts import dense_model, is_lora_reference
 
 HF_PREFIX = "hf://"
 STATS_PATTERNS = ["manifest.json", "*.safetensors", "README.md"]
@@ -104,6 +105,8 @@ def resolve_model(model: str, revision: str | None = None) -> ResolvedModel:
     folder = Path(model).expanduser()
     if folder.is_dir():
         return ResolvedModel(folder)
+    if is_lora_reference(model):  # BASE+ADAPTER: read from its merged copy
+        return ResolvedModel(dense_model(model))
     if not looks_like_repo_id(model):
         raise ConfigError(f"model {model} is neither a local folder nor a Hub repo id (ORG/NAME)")
     path = model_folder(model, revision)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_bmm.errors import ConfigError, StatisticsError
-from mergekit_bmm.io.fingerprint import model_fingerprint
+from mergekit_bmm.io.fingerprint import model_fingerprint, reference_fingerprint
 from mergekit_bmm.stats.config import StatsConfig, TaskConfig
 from mergekit_bmm.stats.hub import ResolvedModel, fetch_dataset, resolve_model
 from mergekit_bmm.stats.samples import data_fingerprint
@@ -78,14 +78,18 @@ def plan_tasks(config: StatsConfig) -> list[TaskPlan]:
             data_folder, commit = fetch_dataset(task.data, task.data_revision)
         elif not Path(task.data).exists():
             raise ConfigError(f"task {task.name!r}: calibration data {task.data} does not exist")
-        if task.model.startswith(("/", ".", "~")) and not Path(task.model).is_dir():
+        local = task.model.startswith(("/", ".", "~")) and "+" not in task.model
+        if local and not Path(task.model).is_dir():
             raise ConfigError(f"task {task.name!r}: model folder {task.model} does not exist")
         try:
             model = resolve_model(task.model, task.revision)
         except ConfigError as error:
             raise ConfigError(f"task {task.name!r}: {error}") from None
         settings = task_settings(task, config, commit)
-        plans.append(TaskPlan(task, model, model_fingerprint(model.path), settings, data_folder))
+        fingerprint = (
+            reference_fingerprint(task.model) if "+" in task.model else model_fingerprint(model.path)
+        )
+        plans.append(TaskPlan(task, model, fingerprint, settings, data_folder))
     return plans
 
 

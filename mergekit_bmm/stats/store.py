@@ -44,7 +44,7 @@ from pydantic import BaseModel, Field, PrivateAttr, field_validator
 from mergekit_bmm.core.module_map import layer_local_name
 from mergekit_bmm.errors import StatisticsError
 from mergekit_bmm.io.atomic import replacing
-from mergekit_bmm.io.fingerprint import model_fingerprint, same_path
+from mergekit_bmm.io.fingerprint import model_fingerprint, reference_fingerprint, same_path
 from mergekit_bmm.io.versioned_json import read_versioned, write_versioned
 from mergekit_bmm.stats import gram_storage
 from mergekit_bmm.stats.hub import cached_model_folder, stats_directory
@@ -159,7 +159,12 @@ class StatsManifest(BaseModel):
 
 
 def _model_reference(model: Hashable) -> tuple[str, str | None]:
+    """(path, revision); a LoRA expert keeps its adapter (``BASE+ADAPTER``): each adapter of one
+    base is its own task."""
     inner = getattr(model, "model", None)
+    lora = getattr(model, "lora", None)
+    if lora is not None:
+        return str(model), None
     return str(getattr(inner, "path", model)), getattr(inner, "revision", None)
 
 
@@ -170,6 +175,8 @@ def _hub_copy(path: str, revision: str | None) -> Path | None:
 
 def _local_fingerprint(path: str, revision: str | None) -> str:
     """The fingerprint of a model's weights on this machine ("" when they are not here)."""
+    if "+" in path:  # BASE+ADAPTER: both, as the task recorded them
+        return reference_fingerprint(path)
     folder = Path(path).expanduser()
     if not folder.is_dir():
         folder = _hub_copy(path, revision)
