@@ -97,22 +97,9 @@ def test_a_search_on_a_missing_hub_id_is_one_line(family, hub, tmp_path):
 
 
 def _adapter(base: Path, folder: Path, seed: int) -> Path:
-    """A rank-2 PEFT LoRA adapter on every linear module of ``base``, with non-zero factors."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from mergekit_bmm.examples.tiny_models import make_lora_adapter
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base)
-    config = LoraConfig(
-        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
-    )
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_" in name:
-                parameter.normal_(0, 0.05)
-    peft_model.save_pretrained(folder)
-    return folder
+    return make_lora_adapter(base, folder, seed)
 
 
 def test_lora_experts_merge_with_no_flag_and_are_told_apart(family, tmp_path, monkeypatch):
@@ -121,7 +108,8 @@ def test_lora_experts_merge_with_no_flag_and_are_told_apart(family, tmp_path, mo
     adapters = [_adapter(family.base, tmp_path / f"adapter-{i}", seed=i) for i in range(2)]
     experts = [f"{base}+{adapter}" for adapter in adapters]
     out = tmp_path / "merged"
-    merge_recipe_text(yaml.safe_dump(_recipe(base, experts)), out)
+    # the full route: the same arithmetic as on dense experts (the LoRA route: test_lora_route.py)
+    merge_recipe_text(yaml.safe_dump(_recipe(base, experts, low_rank=False)), out)
     record = read_record(out)
     prints = [item.fingerprint for item in record.inputs]
     assert len(set(prints)) == 3 and all(prints)  # base, and each adapter on it, told apart

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -23,6 +24,7 @@ from pydantic import BaseModel, Field
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.io.fingerprint import model_fingerprint, reference_fingerprint, weight_files
 from mergekit_bmm.io.versioned_json import read_versioned, write_versioned
+from mergekit_bmm.merge_methods.merge_findings import MergeFindings
 
 RECORD_FILE = "mergekit_bmm_merge.json"
 RECIPE_FILE = "mergekit_config.yml"  # mergekit writes the recipe under this name
@@ -60,6 +62,10 @@ class MergeRecord(BaseModel):
     lambda_auto: dict[str, dict] = Field(
         default_factory=dict,
         description="weight name -> the λ `lambda: auto` chose (lambda, interval, edge, log_evidence)",
+    )
+    low_rank: dict[str, int] = Field(
+        default_factory=dict,
+        description="weight name -> dimension of the LoRA subspace it was solved in (Σ of adapter ranks)",
     )
 
 
@@ -108,8 +114,7 @@ def make_record(
     recipe_text: str,
     merge_method: str,
     inputs: Sequence[InputRecord] = (),
-    kept_at_anchor: dict[str, list[str]] | None = None,
-    lambda_auto: dict[str, dict] | None = None,
+    findings: MergeFindings | None = None,
 ) -> MergeRecord:
     """The record of ``folder`` as it is now (call it right after the weights are written)."""
     folder = Path(folder)
@@ -127,8 +132,7 @@ def make_record(
         weight_sha256=weight_hashes(folder),
         recipe_sha256=recipe_digest(recipe_text),
         inputs=list(inputs),
-        kept_at_anchor=kept_at_anchor or {},
-        lambda_auto=lambda_auto or {},
+        **(asdict(findings) if findings is not None else {}),
     )
 
 
@@ -175,34 +179,28 @@ def record_merge(
     out_dir: str | Path,
     recipe_text: str,
     view: RecipeView | None = None,
-    kept_at_anchor: dict[str, list[str]] | None = None,
-    lambda_auto: dict[str, dict] | None = None,
+    findings: MergeFindings | None = None,
 ) -> MergeRecord:
     """Fingerprint the just-written weights and recipe into ``out_dir/mergekit_bmm_merge.json``.
 
-    What the merge itself found (``kept_at_anchor``, ``lambda_auto``) is taken from the folder's
-    earlier record of the same weights when not given (a card rewritten after the merge)."""
+    What the merge itself found is taken from the folder's earlier record of the same weights when
+    not given (a card rewritten after the merge)."""
     from mergekit_bmm.cards.recipe_view import view_of
 
     out_dir = Path(out_dir)
     view = view or view_of(recipe_text, out_dir)
-    if kept_at_anchor is None or lambda_auto is None:
-        earlier = _same_weights_record(out_dir)
-        kept_at_anchor = kept_at_anchor if kept_at_anchor is not None else earlier.get("kept_at_anchor")
-        lambda_auto = lambda_auto if lambda_auto is not None else earlier.get("lambda_auto")
-    record = make_record(
-        out_dir, recipe_text, view.merge_method, input_records(view), kept_at_anchor, lambda_auto
-    )
+    findings = findings if findings is not None else _same_weights_findings(out_dir)
+    record = make_record(out_dir, recipe_text, view.merge_method, input_records(view), findings)
     write_record(out_dir, record)
     return record
 
 
-def _same_weights_record(folder: Path) -> dict:
+def _same_weights_findings(folder: Path) -> MergeFindings | None:
     """The merge's findings from ``folder``'s record, if it describes the weights there now."""
     try:
         earlier = read_record(folder)
     except ConfigError:
-        return {}
+        return None
     if earlier is None or earlier.weights_fingerprint != model_fingerprint(folder):
-        return {}
-    return {"kept_at_anchor": earlier.kept_at_anchor, "lambda_auto": earlier.lambda_auto}
+        return None
+    return MergeFindings(earlier.kept_at_anchor, earlier.lambda_auto, earlier.low_rank)

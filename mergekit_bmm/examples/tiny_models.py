@@ -174,3 +174,30 @@ def make_tiny_family(
         tokenizer.save_pretrained(path)
         experts.append(path)
     return TinyFamily(base=base_path, experts=tuple(experts), architecture=architecture)
+
+
+def make_lora_adapter(
+    base: str | Path,
+    folder: str | Path,
+    seed: int,
+    rank: int = 2,
+    targets: Sequence[str] = ("q_proj", "v_proj", "down_proj"),
+    alpha: float | None = None,
+    spread: float = 0.05,
+) -> Path:
+    """A PEFT LoRA adapter for ``base`` with random, non-zero factors (a synthetic LoRA expert)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    generator = torch.Generator().manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets), init_lora_weights=False
+    )
+    adapted = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(spread * torch.randn(parameter.shape, generator=generator))
+    adapted.save_pretrained(folder)
+    return Path(folder)

@@ -36,10 +36,12 @@ from mergekit.merge_methods.base import (
 )
 
 from mergekit_bmm.core import closed_form, normal_equations
+from mergekit_bmm.core.low_rank import LowRankUpdate, low_rank_factors
 from mergekit_bmm.core.module_map import ModuleInfo, classify
 from mergekit_bmm.errors import ConfigError, NonFiniteOutputError, TensorInputError
-from mergekit_bmm.io.model_folder import model_type_of
-from mergekit_bmm.merge_methods import chosen_lambdas, kept_at_anchor
+from mergekit_bmm.io.lora_adapters import adapter_for
+from mergekit_bmm.io.model_folder import local_model_dir, model_type_of
+from mergekit_bmm.merge_methods import chosen_lambdas, kept_at_anchor, merge_findings
 from mergekit_bmm.merge_methods import observer as solved_tensors
 from mergekit_bmm.merge_methods.bmm_anchor import (
     AnchorSource,
@@ -49,7 +51,7 @@ from mergekit_bmm.merge_methods.bmm_anchor import (
 )
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings, build_spec
 from mergekit_bmm.merge_methods.factor_cache import key as cache_key
-from mergekit_bmm.merge_methods.factor_cache.fill import fill_factors, thin_rank
+from mergekit_bmm.merge_methods.factor_cache.fill import fill_exact_factors, fill_factors, thin_rank
 from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
 
@@ -303,8 +305,54 @@ class _Solve:
         prior = self.orient(self.source.weight(dtype) - base_c)
         return self.equations_for(self.settings, self.group, self.tasks, task_vectors), prior, base_c
 
+    def low_rank_updates(self) -> list[LowRankUpdate] | None:
+        """The experts' LoRA factors for this weight, when every expert is a plain LoRA adapter on
+        the recipe's base and the Grams are data-free (None: the full route)."""
+        settings = self.settings
+        if not settings.low_rank or settings.gram != "data_free" or settings.task_balance != "none":
+            return None
+        if self.transpose or "[" in self.name:  # Conv1D layouts and expert stacks: full route
+            return None
+        base_path = getattr(getattr(self.group.base.id, "model", None), "path", None)
+        updates = []
+        for entry in self.tasks:
+            lora, model = getattr(entry.id, "lora", None), getattr(entry.id, "model", None)
+            if lora is None or model is None or str(model) != str(self.group.base.id.model):
+                return None  # a dense expert, or an adapter on another base than the recipe's
+            adapter = adapter_for(local_model_dir(str(lora)))
+            if adapter is None or base_path is None:
+                return None
+            factors = adapter.update(self.name)
+            if factors is not None:
+                updates.append(LowRankUpdate(*factors))
+        return updates
+
+    def _low_rank_factors(self, updates: list[LowRankUpdate]) -> closed_form.EigenFactors:
+        """The exact (float64) eigen factors from the adapters' factors; the prior from the anchor."""
+        check_finite(self.group)
+        base_c = self.base.to(torch.float64)
+        prior = self.orient(self.source.weight(torch.float64) - base_c)
+        return low_rank_factors(updates, prior, experts=len(self.tasks))
+
+    def untouched(self) -> torch.Tensor:
+        """No expert's adapter touches this weight: the anchor's value, counted as kept."""
+        kept_at_anchor.note(self.name, "no_experts")
+        check_finite(self.group)
+        return self.source.weight(self.settings.compute_dtype).to(self.base.dtype)
+
     def direct(self) -> torch.Tensor:
         settings = self.settings
+        updates = self.low_rank_updates()
+        if updates == []:
+            return self.untouched()
+        if updates is not None:
+            factors = self._low_rank_factors(updates)
+            merge_findings.note_low_rank(self.name, factors.rank)
+            ridge = self._chosen_ridge(factors)
+            merged = closed_form.solve_from_factors(factors, ridge).to(settings.compute_dtype)
+            eigen = factors.complete_eigen(merged.dtype) if solved_tensors.active() else None
+            base_c = self.base.to(settings.compute_dtype)
+            return self._output(merged, base_c, lambda: ridge, settings.compute_dtype, eigen=eigen)
         equations, prior, base_c = self._problem()
         if settings.lambda_auto:
             return self._direct_auto(equations, prior, base_c)
@@ -336,9 +384,19 @@ class _Solve:
         settings, dtype = self.settings, self.settings.compute_dtype
         key = cache_key.factor_key(settings, self.source, self.transpose)
         shape = tuple(self.orient(self.base).shape)
+        updates = self.low_rank_updates()
+        if updates == []:
+            return self.untouched()
+        if updates is not None:
+            key = cache_key.with_route(key, "low_rank")
         factors = cache.load_factors(self.name, key, shape, dtype)
         if factors is not None and settings.lambda_auto and factors.evidence is None:
             factors = None  # an entry from before the evidence was stored: filled again
+        if factors is None and updates is not None:
+            exact = self._low_rank_factors(updates)
+            factors = fill_exact_factors(cache, self.name, key, exact, self.orient(self.base), settings)
+        if updates is not None:
+            merge_findings.note_low_rank(self.name, sum(update.rank for update in updates))
         if factors is None:
             # Factorised once in float64: the cached route is then at least as accurate as
             # the direct one (see closed_form.eigen_factors); trials solve in `dtype`.

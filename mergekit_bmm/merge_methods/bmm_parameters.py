@@ -116,6 +116,13 @@ def own_parameters() -> tuple[ParameterSpec, ...]:
         ),
         CheckedParameter("anchor_seed", int, shared, default=0, description="integer seed"),
         CheckedParameter(
+            "low_rank",
+            bool,
+            shared,
+            default=True,
+            description="boolean (LoRA experts solved in their T·r subspace; false: the full route)",
+        ),
+        CheckedParameter(
             "cache",
             str | None,
             shared,
@@ -207,6 +214,7 @@ class BMMSettings:
     anchor_seed: int
     cache: str | None = None
     cache_dtype: torch.dtype | None = None  # None: chosen per factor (methods/factor_precision.py)
+    low_rank: bool = True  # LoRA experts through their T·r subspace (mergekit_bmm.core.low_rank)
 
     @property
     def lambda_auto(self) -> bool:
@@ -234,6 +242,7 @@ class BMMSettings:
             anchor_seed=parameters["anchor_seed"],
             cache=parameters.get("cache") or None,
             cache_dtype=_cache_dtype(parameters.get("cache_dtype"), parameters["compute_dtype"]),
+            low_rank=parameters.get("low_rank", True) is not False,
         )
         if settings.gram in ("activations", "mix") and not settings.stats:
             raise ConfigError(

@@ -52,7 +52,8 @@ from typing import Any
 
 from mergekit_bmm.errors import merge_started
 from mergekit_bmm.io.versions import mergekit_version
-from mergekit_bmm.merge_methods import chosen_lambdas, kept_at_anchor
+from mergekit_bmm.merge_methods import merge_findings
+from mergekit_bmm.merge_methods.merge_findings import MergeFindings
 
 LOG = logging.getLogger("mergekit_bmm")
 
@@ -247,18 +248,14 @@ def _has_run_merge(merge_module) -> bool:
 
 
 def write_plugin_card(
-    out_dir: Path,
-    merge_config: Any,
-    config_yaml: str,
-    kept: dict[str, list[str]] | None = None,
-    chosen: dict[str, dict] | None = None,
+    out_dir: Path, merge_config: Any, config_yaml: str, findings: MergeFindings | None = None
 ) -> None:
-    """The merge record (with the tensors kept at the anchor and the λ ``lambda: auto`` chose),
-    the plugin's card and ``mergekit_config.yml`` of a finished merge."""
+    """The merge record (with what the merge found: tensors kept at the anchor, the λ ``lambda:
+    auto`` chose, LoRA subspaces), the plugin's card and ``mergekit_config.yml`` of a finished merge."""
     from mergekit_bmm.cards import card
 
     try:
-        card.record_merge(out_dir, config_yaml, kept_at_anchor=kept or {}, lambda_auto=chosen or {})
+        card.record_merge(out_dir, config_yaml, findings=findings or MergeFindings())
     except Exception as error:
         LOG.warning("mergekit-bmm: could not write the merge record: %s", error)
     try:
@@ -307,8 +304,7 @@ def _install_merge_wrapper(merge_module) -> None:
     def run_merge(merge_config, out_path, options, config_source=None, *args, **kwargs):
         ours = getattr(merge_config, "merge_method", None) in method_names()
         merge_started(ours)
-        kept_at_anchor.reset()
-        chosen_lambdas.reset()
+        merge_findings.reset()
         if ours:
             fetch_hub_inputs(merge_config)
             options = with_lora_cache(merge_config, options)
@@ -321,12 +317,11 @@ def _install_merge_wrapper(merge_module) -> None:
                 result = original(merge_config, out_path, options, config_source, *args, **kwargs)
         else:
             result = original(merge_config, out_path, options, config_source, *args, **kwargs)
-        kept, chosen = kept_at_anchor.drained(), chosen_lambdas.drained()
-        kept_at_anchor.log_summary(kept)
-        chosen_lambdas.log_summary(chosen)
+        findings = merge_findings.drained()
+        merge_findings.log_summary(findings)
         if card:  # mergekit's own rule: the recipe text, else the configuration as it ends the merge
             recipe = config_source or merge_config.to_yaml()
-            write_plugin_card(Path(out_path), merge_config, recipe, kept, chosen)
+            write_plugin_card(Path(out_path), merge_config, recipe, findings)
         return result
 
     setattr(run_merge, _MARK, True)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mergekit_bmm.merge_methods import chosen_lambdas, kept_at_anchor
+from mergekit_bmm.merge_methods import merge_findings
 from mergekit_bmm.recipes.parse import parse_recipe
 
 IN_MEMORY = "/nonexistent/mergekit-bmm-in-memory"  # the plan names a folder; nothing is written there
@@ -77,8 +77,7 @@ def merge_recipe_in_memory(
 
     activate()
     quiet_mergekit()
-    kept_at_anchor.reset()  # a search merges many times: the tallies must not grow with its trials
-    chosen_lambdas.reset()
+    merge_findings.reset()  # a search merges many times: the tallies must not grow with its trials
     config = parse_recipe(text, source).config
     fetch_hub_inputs(config)  # as a merge through mergekit-yaml does: Hub ids from the cache
     options = with_lora_cache(config, options)  # and BASE+ADAPTER experts merged once

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -105,11 +105,35 @@ def fill_factors(
     rank: int | None,
 ) -> EigenFactors:
     """Store ``name``'s factors under ``key`` and return them as a later read would."""
-    compute, fixed = settings.compute_dtype, settings.cache_dtype
+    compute = settings.compute_dtype
     eigen = _eigen(cache_key.gram_key(equations.gram, rank), equations, rank)
     # Eigenvalues as a read gives them (compute dtype): the budget is then the same on a refill.
     eigenvalues = eigen.eigenvalues.to(compute).to(EXACT)
     exact = closed_form.factors_in_basis(equations, prior, eigenvalues, eigen.vectors)
+    return _store(cache, name, key, eigen, exact, base, settings)
+
+
+def fill_exact_factors(
+    cache: FactorCache, name: str, key: str, exact: EigenFactors, base: torch.Tensor, settings: BMMSettings
+) -> EigenFactors:
+    """Store factors computed exactly elsewhere (float64; the LoRA subspace route) under ``key``."""
+    eigen = _Eigen(f"{key_digest(key)}-{uuid.uuid4().hex[:12]}", exact.eigenvalues, exact.basis)
+    rounded = exact.eigenvalues.to(settings.compute_dtype).to(EXACT)  # as a read gives them
+    exact = replace(exact, eigenvalues=rounded)
+    return _store(cache, name, key, eigen, exact, base, settings)
+
+
+def _store(
+    cache: FactorCache,
+    name: str,
+    key: str,
+    eigen: _Eigen,
+    exact: EigenFactors,
+    base: torch.Tensor,
+    settings: BMMSettings,
+) -> EigenFactors:
+    """Each factor at the precision the budget allows, written; returned exactly as read back."""
+    compute, fixed = settings.compute_dtype, settings.cache_dtype
     if fixed is not None:
         chosen = dict.fromkeys(("anchor", "correction", "basis"), fixed)
     else:

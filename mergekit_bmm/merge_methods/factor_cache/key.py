@@ -158,6 +158,14 @@ def factor_key(settings: BMMSettings, source: AnchorSource, transpose: bool) -> 
     return _dump(description)
 
 
+def with_route(key: str, route: str) -> str:
+    """``key`` for factors computed by another route (``low_rank``: from LoRA factors), so that the
+    two routes' entries, equal only to rounding, are never mixed."""
+    description = json.loads(key)
+    description["route"] = route
+    return _dump(description)
+
+
 def gram_key(gram: torch.Tensor, rank: int | None) -> str:
     """What one Gram's eigendecomposition depends on: its exact content (so weights with the
     same ``G`` can share it), the rank kept, and the versions that compute it."""

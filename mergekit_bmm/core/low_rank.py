@@ -1,0 +1,129 @@
+"""The data-free closed form for LoRA experts, solved in the T·r-dimensional subspace they span.
+
+Expert t's task vector is ``U_t = B_t A_t`` (its adapter's scale ``α/r`` folded into ``B_t``: ``B_t``
+is ``d_out × r_t``, ``A_t`` is ``r_t × d_in``). Stack ``A = [A_1; …; A_T]`` (``k × d_in``, ``k = Σ r_t``)
+and let ``Aᵀ = Q R`` (``Q``: ``d_in × k`` orthonormal). With ``M = blockdiag(w_t B_tᵀB_t)``:
+
+    G = Σ w_t U_tᵀU_t = Aᵀ M A = Q H Qᵀ,        H = R M Rᵀ   (k × k)
+    C = Σ w_t U_t U_tᵀ U_t = Σ w_t B_t (A_t A_tᵀ)(B_tᵀ B_t) A_t,   C (I − QQᵀ) = 0
+
+so ``G`` lives in ``span(Q)`` and the closed form is exactly
+
+    U = U0 + (C − U0 G) Q (H + λ'I)⁻¹ Qᵀ
+
+for *any* anchor ``U0`` (low-rank or not) — the thin-basis eigen factors of
+:class:`~mergekit_bmm.core.closed_form.EigenFactors` with basis ``Q V`` (``H = V Λ Vᵀ``). Forming them
+costs ``O(d_out · d_in · k)`` (``U0 Q``) and ``O(d_in · k²)`` (the QR), never a ``d_in × d_in`` matrix:
+on one 2048 × 4096 weight with three rank-4 adapters the full float32 route spent 8.7 s forming
+``G`` and ``C`` alone (docs/numerics.md). The eigenproblem is ``k × k`` and well conditioned where
+``G + λ'I`` is not: ``G``'s ``d_in − k`` zero eigenvalues never enter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mergekit_bmm.core.closed_form import EigenFactors
+from mergekit_bmm.core.evidence import terms_of
+from mergekit_bmm.errors import TensorInputError
+
+
+@dataclass(frozen=True)
+class LowRankUpdate:
+    """One expert's task vector ``U_t = left @ right`` (``d_out × r`` and ``r × d_in``, scale folded in)."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return self.right.shape[0]
+
+    def dense(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        return self.left.to(dtype) @ self.right.to(dtype)
+
+
+def _check(updates: Sequence[LowRankUpdate], anchor: torch.Tensor) -> None:
+    if not updates:
+        raise TensorInputError("the low-rank closed form needs at least one expert")
+    d_out, d_in = anchor.shape
+    for index, update in enumerate(updates):
+        r = update.rank
+        if update.left.shape != (d_out, r) or update.right.shape != (r, d_in):
+            raise TensorInputError(
+                f"LoRA factors of expert {index} have shapes {tuple(update.left.shape)} and "
+                f"{tuple(update.right.shape)}; the weight is ({d_out}, {d_in})"
+            )
+
+
+def low_rank_factors(
+    updates: Sequence[LowRankUpdate],
+    anchor: torch.Tensor,
+    weights: Sequence[float] | None = None,
+    dtype: torch.dtype = torch.float64,
+    experts: int | None = None,
+) -> EigenFactors:
+    """The closed form's eigen factors for low-rank experts (thin basis of rank ``k = Σ r_t``), in
+    ``dtype``, with the evidence's terms (:mod:`mergekit_bmm.core.evidence`); data-free Grams,
+    ``weights`` the tasks' balance weights (default 1). ``experts``: how many experts the merge has
+    (an expert whose adapter leaves this weight alone has no update here but still observed it);
+    no update at all gives the anchor (a rank-0 basis)."""
+    d_out, d_in = anchor.shape
+    if not updates:
+        return _anchor_only(anchor.to(dtype), experts or 0)
+    _check(updates, anchor)
+    weights = list(weights) if weights is not None else [1.0] * len(updates)
+    lefts = [u.left.to(dtype) for u in updates]
+    rights = [u.right.to(dtype) for u in updates]
+    stacked = torch.cat(rights, dim=0)  # A, k × d_in
+    q, r_factor = torch.linalg.qr(stacked.T)  # Aᵀ = Q R
+    blocks = [w * (b.T @ b) for w, b in zip(weights, lefts)]  # M_t = w_t B_tᵀ B_t
+    m = torch.block_diag(*blocks)
+    h = r_factor @ m @ r_factor.T
+    h = 0.5 * (h + h.T)
+    # C Q = Σ w_t B_t (A_t A_tᵀ)(B_tᵀ B_t) (A_t Q): every factor k-sized
+    right_in_q = [a @ q for a in rights]  # A_t Q, r_t × k
+    cross_q = sum(b @ ((a @ a.T) @ block) @ aq for b, a, block, aq in zip(lefts, rights, blocks, right_in_q))
+    u0 = anchor.to(dtype)
+    anchor_q = u0 @ q  # U0 Q, the one d_out × d_in × k product
+    residual_q = cross_q - anchor_q @ h  # (C − U0 G) Q
+    eigenvalues, vectors = torch.linalg.eigh(h)
+    basis = q @ vectors
+    correction = residual_q @ vectors
+    trace = float(torch.diagonal(h).sum())
+    # S = Σ w_t ‖U_tᵀU_t‖²_F = Σ w_t tr((P_t B_tᵀB_t)²), P_t = A_t A_tᵀ (r_t × r_t)
+    energy = sum(
+        w * float(torch.trace(((a @ a.T) @ (b.T @ b)) @ ((a @ a.T) @ (b.T @ b))))
+        for w, a, b in zip(weights, rights, lefts)
+    )
+    # A = S − ⟨U0, C⟩ − ⟨U0, C − U0 G⟩, each inner product through Q (C and U0 G live in span Q)
+    misfit = energy - float((anchor_q * cross_q).sum()) - float((anchor_q * residual_q).sum())
+    evidence = terms_of(eigenvalues, correction, misfit, (experts or len(updates)) * d_out, trace / d_in)
+    return EigenFactors(
+        basis=basis,
+        eigenvalues=eigenvalues,
+        correction=correction,
+        anchor=u0,
+        mean_eigenvalue=trace / d_in,
+        diagonal_max=float(eigenvalues.max()) if eigenvalues.numel() else 0.0,
+        evidence=evidence,
+    )
+
+
+def _anchor_only(anchor: torch.Tensor, experts: int) -> EigenFactors:
+    """Factors of ``G = 0`` (no expert moved this weight): the anchor for every λ."""
+    d_out, d_in = anchor.shape
+    empty = anchor.new_zeros((0,))
+    terms = terms_of(empty, anchor.new_zeros((d_out, 0)), 0.0, experts * d_out, 0.0)
+    return EigenFactors(
+        basis=anchor.new_zeros((d_in, 0)),
+        eigenvalues=empty,
+        correction=anchor.new_zeros((d_out, 0)),
+        anchor=anchor,
+        mean_eigenvalue=0.0,
+        diagonal_max=0.0,
+        evidence=terms,
+    )

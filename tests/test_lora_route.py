@@ -1,0 +1,121 @@
+"""LoRA experts through bmm's low-rank route, in real merges: each weight equals the float64 closed
+form of the adapters' exact updates, untouched modules keep the anchor, and the full route, the factor
+cache and ``lambda: auto`` agree with it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from conftest import load_weights, relative_error
+from safetensors.torch import load_file
+
+from mergekit_bmm.cards.merge_record import read_record
+from mergekit_bmm.core import closed_form, normal_equations
+from mergekit_bmm.plugin.run import merge_recipe_text
+
+F64 = torch.float64
+TARGETS = ("q_proj", "v_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def lora_family(tmp_path_factory):
+    from mergekit_bmm.examples.tiny_models import make_lora_adapter, make_tiny_family
+
+    root = tmp_path_factory.mktemp("lora")
+    family = make_tiny_family(root, "llama", n_experts=1, hidden=32, layers=2)
+    adapters = [make_lora_adapter(family.base, root / f"adapter-{i}", seed=i, rank=2 + i) for i in range(3)]
+    return family.base, adapters
+
+
+@pytest.fixture(autouse=True)
+def lora_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MERGEKIT_BMM_CACHE", str(tmp_path / "plugin-cache"))
+
+
+def _recipe(base, adapters, **parameters) -> str:
+    return yaml.safe_dump(
+        {
+            "merge_method": "bmm",
+            "base_model": str(base),
+            "models": [{"model": f"{base}+{a}", "parameters": {"weight": 0.3}} for a in adapters],
+            "parameters": {"anchor_method": "task_arithmetic", "lambda": 0.05, **parameters},
+            "dtype": "float32",
+        }
+    )
+
+
+def _exact_updates(adapters, module: str) -> list[torch.Tensor]:
+    """Each adapter's α/r · B A for ``module`` in float64, read straight from its files."""
+    updates = []
+    for adapter in adapters:
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        tensors = load_file(str(adapter / "adapter_model.safetensors"))
+        key = f"base_model.model.{module}"
+        b, a = tensors[f"{key}.lora_B.weight"].double(), tensors[f"{key}.lora_A.weight"].double()
+        updates.append(config["lora_alpha"] / config["r"] * b @ a)
+    return updates
+
+
+def _dense_copies(tmp_path) -> list[dict[str, torch.Tensor]]:
+    """The adapters merged into the base as mergekit merged them (what the anchor was built from)."""
+    folders = sorted((tmp_path / "plugin-cache" / "lora-merges").glob("*/*"))
+    return [load_weights(folder) for folder in folders]
+
+
+@pytest.mark.parametrize(("compute", "tolerance"), [("float32", 1e-5), ("float64", 1e-6)])
+def test_each_lora_weight_is_the_float64_closed_form_of_the_exact_updates(
+    lora_family, tmp_path, compute, tolerance
+):
+    base, adapters = lora_family
+    out = tmp_path / "merged"
+    merge_recipe_text(_recipe(base, adapters, compute_dtype=compute), out)
+    merged, pre = load_weights(out), load_weights(base)
+    dense = _dense_copies(tmp_path)
+    assert len(dense) == 3
+    solved = [n for n in pre if n.endswith(".weight") and any(t in n for t in TARGETS)]
+    assert len(solved) == 2 * 3
+    for name in solved:
+        vectors = _exact_updates(adapters, name.removesuffix(".weight"))
+        anchor = 0.3 * sum(d[name].double() - pre[name].double() for d in dense)
+        equations = normal_equations.data_free_equations(vectors, F64)
+        expected = closed_form.merge_matrix(equations, anchor, 0.05)
+        assert relative_error(merged[name].double() - pre[name].double(), expected) < tolerance, name
+    for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.up_proj.weight"):
+        assert torch.equal(merged[name], pre[name])  # no adapter touches them: the anchor (the base)
+    record = read_record(out)
+    assert "model.layers.0.self_attn.o_proj.weight" in record.kept_at_anchor["no_experts"]
+    assert record.low_rank == dict.fromkeys(solved, 2 + 3 + 4)  # the route taken: a rank-9 subspace
+
+
+def test_the_full_route_the_cache_and_lambda_auto_agree_with_it(lora_family, tmp_path):
+    base, adapters = lora_family
+    runs = {
+        "low_rank": {},
+        "full": {"low_rank": False},
+        "cached": {"cache": str(tmp_path / "factors")},
+        "cached again": {"cache": str(tmp_path / "factors")},
+    }
+    merged = {}
+    for label, parameters in runs.items():
+        merge_recipe_text(_recipe(base, adapters, **parameters), tmp_path / label)
+        merged[label] = load_weights(tmp_path / label)
+    names = [n for n in merged["low_rank"] if any(t in n for t in TARGETS) and n.endswith(".weight")]
+    assert read_record(tmp_path / "full").low_rank == {}  # `low_rank: false`: the full route
+    assert len(read_record(tmp_path / "cached again").low_rank) == len(names)
+    for name in names:
+        reference = merged["low_rank"][name]
+        assert relative_error(merged["full"][name], reference) < 1e-4  # float32 full route on dense copies
+        assert relative_error(merged["cached"][name], reference) < 1e-5
+        assert torch.equal(merged["cached again"][name], merged["cached"][name])
+    for label in ("auto", "auto cached"):
+        extra = {"cache": str(tmp_path / "factors")} if label == "auto cached" else {}
+        merge_recipe_text(_recipe(base, adapters, **{"lambda": "auto", **extra}), tmp_path / label)
+    chosen = {label: read_record(tmp_path / label).lambda_auto for label in ("auto", "auto cached")}
+    assert sorted(chosen["auto"]) == sorted(names)
+    for name in names:
+        assert chosen["auto cached"][name]["lambda"] == pytest.approx(
+            chosen["auto"][name]["lambda"], rel=1e-5
+        )
