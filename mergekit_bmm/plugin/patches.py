@@ -25,7 +25,9 @@ with the plugin's methods it then runs mergekit with its public ``write_model_ca
 off (mergekit's card asks the Hub, and its ``is_hf`` crashes offline on relative paths) and,
 once the weights are written, writes the merge record, the plugin's card
 (:mod:`mergekit_bmm.cards.card`; a minimal card if that fails) and ``mergekit_config.yml``
-itself, as mergekit would have. Every other merge is mergekit's own, card included.
+itself, as mergekit would have. Every other merge is mergekit's own, card included, except that a
+recipe with ``BASE+ADAPTER`` inputs and no ``--lora-merge-cache`` gets the plugin's default LoRA
+merge cache (:mod:`mergekit_bmm.io.lora_experts`) whatever its method, where mergekit would stop.
 
 ``hub_cache_first`` (``mergekit.common.ModelReference.local_path``, reached through
 ``mergekit.merge``) — mergekit 0.1.5 resolves a Hub id by calling ``list_repo_files`` before
@@ -307,7 +309,7 @@ def _install_merge_wrapper(merge_module) -> None:
         merge_findings.reset()
         if ours:
             fetch_hub_inputs(merge_config)
-            options = with_lora_cache(merge_config, options)
+        options = with_lora_cache(merge_config, options)  # any method: mergekit stops without one
         card = ours and bool(getattr(options, "write_model_card", False))
         if card:  # written here, after the weights: mergekit's card would ask the Hub
             options = options.model_copy(update={"write_model_card": False})

@@ -1,0 +1,160 @@
+"""LoRA experts: bmm's low-rank route against Task Arithmetic over the same adapters, and the full route.
+
+A Llama-shaped base (``--hidden``, default 1024, MLP 2.75×, ``--layers``), float32, and ``--experts``
+PEFT LoRA adapters of ``--rank`` on every linear module (q, k, v, o, gate, up, down), made locally.
+Every merge is mergekit's ``run_merge`` in this process on ``BASE+ADAPTER`` experts, timed with its
+peak private memory:
+
+* the adapters merged into dense copies of the base (mergekit does this before any method; the
+  plugin's default LoRA cache keeps them), measured once and reported apart;
+* Task Arithmetic (weight 0.3) over the adapters;
+* bmm over that Task Arithmetic, data-free, λ 0.1: the low-rank route (the default) and
+  ``low_rank: false`` (the full route);
+* accuracy: the low-rank and full routes against a float64 full solve of the adapters' exact updates,
+  on the largest weight.
+
+    nice -n 5 python bench/lora_merge.py                     # hidden 1024, 4 layers, 3 × rank 16
+    nice -n 5 python bench/lora_merge.py --hidden 2048 --layers 16   # the Llama-3.2-1B shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from bench.common import PeakSampler, llama_config, reset_peak_rss  # noqa: E402
+
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_family(root: Path, hidden: int, layers: int, experts: int, rank: int) -> tuple[Path, list[Path]]:
+    """The base and its adapters, generated once under ``root`` (reused when the spec matches)."""
+    import transformers
+
+    from mergekit_bmm.examples.tiny_models import build_tokenizer, make_lora_adapter
+
+    spec = {"hidden": hidden, "layers": layers, "experts": experts, "rank": rank, "v": 1}
+    folder = root / "family-{hidden}-{layers}-{experts}-r{rank}".format(**spec)
+    base, adapters = folder / "base", [folder / f"adapter-{i}" for i in range(experts)]
+    marker = folder / "family.json"
+    if marker.is_file() and json.loads(marker.read_text()) == spec:
+        return base, adapters
+    print(f"generating the base and {experts} rank-{rank} adapters in {folder} (once) ...", flush=True)
+    tokenizer = build_tokenizer()
+    heads = max(hidden // 64, 1)
+    config = llama_config(len(tokenizer), hidden, int(2.75 * hidden), layers, heads, max(heads // 4, 1))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    for index, adapter in enumerate(adapters):
+        make_lora_adapter(base, adapter, seed=index, rank=rank, targets=LINEAR, spread=0.02)
+    marker.write_text(json.dumps(spec))
+    return base, adapters
+
+
+def recipe(base: Path, adapters: list[Path], method: str, **parameters) -> str:
+    models = [{"model": f"{base}+{a}", "parameters": {"weight": 0.3}} for a in adapters]
+    body = {"merge_method": method, "base_model": str(base), "models": models, "dtype": "float32"}
+    if method == "bmm":
+        body["parameters"] = {"anchor_method": "task_arithmetic", "lambda": 0.1, **parameters}
+    return yaml.safe_dump(body)
+
+
+def timed_merge(text: str, out: Path) -> dict[str, float]:
+    from mergekit_bmm.plugin.run import merge_recipe_text
+
+    reset_peak_rss()
+    sampler = PeakSampler("RssAnon", "VmHWM")
+    started = time.perf_counter()
+    merge_recipe_text(text, out)
+    seconds = time.perf_counter() - started
+    peaks = sampler.stop()
+    return {
+        "seconds": round(seconds, 2),
+        "private_mib": round(peaks["RssAnon"]),
+        "rss_mib": round(peaks["VmHWM"]),
+    }
+
+
+def accuracy(base: Path, adapters: list[Path], outputs: dict[str, Path], layers: int) -> dict[str, float]:
+    """Each route's relative error against a float64 full solve, on the last layer's down_proj."""
+    from safetensors import safe_open
+
+    from mergekit_bmm.core import closed_form, normal_equations
+    from mergekit_bmm.io.lora_adapters import adapter_for
+
+    name = f"model.layers.{layers - 1}.mlp.down_proj.weight"
+
+    def tensor(folder: Path) -> torch.Tensor:
+        for path in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                if name in handle.keys():
+                    return handle.get_tensor(name).double()
+        raise KeyError(name)
+
+    vectors = []
+    for adapter in adapters:
+        left, right = adapter_for(adapter).update(name)
+        vectors.append(left @ right)
+    pre = tensor(base)
+    anchor = 0.3 * sum(vectors)
+    equations = normal_equations.data_free_equations(vectors, torch.float64)
+    expected = closed_form.merge_matrix(equations, anchor, 0.1)
+    return {
+        label: float((tensor(folder) - pre - expected).norm() / expected.norm())
+        for label, folder in outputs.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=3)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/mergekit-bmm-lora-bench"))
+    args = parser.parse_args()
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    os.environ["MERGEKIT_BMM_CACHE"] = str(args.out / "plugin-cache")
+    base, adapters = make_family(args.out / "models", args.hidden, args.layers, args.experts, args.rank)
+    runs = {
+        "adapters merged into the base (once)": recipe(base, adapters, "task_arithmetic"),
+        "Task Arithmetic": recipe(base, adapters, "task_arithmetic"),
+        "bmm, low-rank route": recipe(base, adapters, "bmm"),
+        "bmm, full route (low_rank: false)": recipe(base, adapters, "bmm", low_rank=False),
+    }
+    rows, outputs = {}, {}
+    for label, text in runs.items():
+        out = args.out / "merged" / label.split(",")[0].split(" (")[0].replace(" ", "-")
+        out = out.with_name(out.name + ("-full" if "full" in label else ""))
+        rows[label] = timed_merge(text, out)
+        outputs[label] = out
+        print(f"{label}: {rows[label]}", flush=True)
+    errors = accuracy(base, adapters, {k: outputs[k] for k in list(runs)[2:]}, args.layers)
+    reference = rows["Task Arithmetic"]["seconds"]
+    print(
+        f"\nLoRA merge: hidden {args.hidden}, {args.layers} layers, {args.experts} adapters of rank "
+        f"{args.rank} on every linear module, float32, {torch.get_num_threads()} threads\n"
+    )
+    print("| merge | seconds | × Task Arithmetic | peak private MiB | peak RSS MiB | rel. error vs float64 |")
+    print("|---|---|---|---|---|---|")
+    for label, row in rows.items():
+        error = f"{errors[label]:.1e}" if label in errors else "—"
+        ratio = f"{row['seconds'] / reference:.2f}" if "once" not in label else "—"
+        print(f"| {label} | {row['seconds']} | {ratio} | {row['private_mib']} | {row['rss_mib']} | {error} |")
+    (args.out / "rows.json").write_text(json.dumps({"rows": rows, "errors": errors}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
