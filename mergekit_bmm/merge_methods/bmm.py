@@ -330,8 +330,8 @@ class _Solve:
     def _low_rank_factors(self, updates: list[LowRankUpdate]) -> closed_form.EigenFactors:
         """The exact (float64) eigen factors from the adapters' factors; the prior from the anchor."""
         check_finite(self.group)
-        base_c = self.base.to(torch.float64)
-        prior = self.orient(self.source.weight(torch.float64) - base_c)
+        dtype = self.settings.compute_dtype  # the anchor as the full route computes it
+        prior = self.orient(self.source.weight(dtype).to(torch.float64) - self.base.to(torch.float64))
         return low_rank_factors(updates, prior, experts=len(self.tasks))
 
     def untouched(self) -> torch.Tensor:
