@@ -19,6 +19,7 @@ COMMANDS = {
     "mergekit-bmm-yaml": ("merge", "CONFIG_FILE OUT_PATH", "merge"),
     "mergekit-bmm-search": ("search", "SEARCH_YML OUT_PATH", "merge"),
     "mergekit-bmm-sample": ("sample", "RECIPE OUT_PATH", "merge"),
+    "mergekit-bmm-lora": ("lora", "RECIPE OUT_PATH", "merge"),
     "mergekit-bmm-stats": ("stats", "STATS_YML OUT_PATH", "compute"),
     "mergekit-bmm-align": ("align", "RECIPE OUT_PATH", "compute"),
     "mergekit-bmm-ensemble": ("ensemble", "SAMPLES_DIR [OUT_PATH]", "compute"),
@@ -28,6 +29,7 @@ COMMANDS = {
 COMPUTE = {"--cuda", "--device", "-j", "--num-threads", "--quiet", "--trust-remote-code"}
 HUB = {"--private", "--revision", "--message", "--base-model-id", "--dry-run"}
 WRITES = {"mergekit-bmm-yaml", "mergekit-bmm-search", "mergekit-bmm-sample", "mergekit-bmm-stats"}
+WRITES |= {"mergekit-bmm-lora"}
 WRITES |= {"mergekit-bmm-align", "mergekit-bmm-ensemble"}
 
 
