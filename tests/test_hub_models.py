@@ -215,3 +215,10 @@ def test_lora_experts_in_statistics_alignment_and_a_search(family, tmp_path, mon
     }
     result = run_search(parse_search_config(raw, TESTS), tmp_path / "search", SearchOptions(progress=False))
     assert result.summary.status == "finished" and result.summary.completed_trials == 2
+    assert result.summary.trials == "memory"  # resident trials on the adapters' subspace factors
+    assert len(read_record(tmp_path / "search" / "best").low_rank) == 2 * 3
+    from mergekit_bmm.cli.search import _write_best_adapter
+    from mergekit_bmm.plugin.run import merge_options
+
+    _write_best_adapter(tmp_path / "search", merge_options(quiet=True))  # --best-adapter
+    assert (tmp_path / "search" / "best-adapter" / "adapter_model.safetensors").is_file()

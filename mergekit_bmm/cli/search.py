@@ -92,6 +92,12 @@ def _warnings_only(message: str) -> None:
     help="bmm's factor cache (default: OUT_PATH/cache); searches over the same inputs may share one.",
 )
 @click.option(
+    "--best-adapter",
+    is_flag=True,
+    help="Also write the best merge as one PEFT LoRA adapter in OUT_PATH/best-adapter "
+    "(LoRA experts only: as mergekit-bmm-lora does).",
+)
+@click.option(
     "--push-to-hub",
     "push_to_hub",
     default=None,
@@ -101,7 +107,15 @@ def _warnings_only(message: str) -> None:
 @hub_options
 @merge_options
 def main(
-    merge_options, search_file, out_path, resume, force, push_to_hub, hub: HubOptions, **switches
+    merge_options,
+    search_file,
+    out_path,
+    resume,
+    force,
+    push_to_hub,
+    best_adapter: bool,
+    hub: HubOptions,
+    **switches,
 ) -> None:
     """Bayesian optimisation of BMM's λ (per block and module group) and s (per block).
 
@@ -125,10 +139,21 @@ def main(
         with exit_on_bmm_error(verbose=merge_options.verbosity > 0, interrupted=interrupted):
             publish = _publish_plan(push_to_hub, hub, switches["skip_best"])
             finished = _run(merge_options, search_file, out_path, resume, force, switches)
+            if best_adapter and finished:
+                _write_best_adapter(Path(out_path), merge_options)
             if publish is not None and finished:
                 publish(Path(out_path) / "best")
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _write_best_adapter(out: Path, merge_options) -> None:
+    """``best.yml`` as one LoRA adapter in ``OUT_PATH/best-adapter`` (replaced: it follows best.yml)."""
+    from mergekit_bmm.cli.lora import write_adapter
+
+    folder = out / "best-adapter"
+    report = write_adapter(out / "best.yml", folder, merge_options, None, force=True)
+    _echo(f"best adapter: {folder} ({len(report.modules)} modules, worst error {report.worst:.1e})")
 
 
 def _limit_threads(merge_options) -> None:
