@@ -248,6 +248,40 @@ class LanguageTaskSpec(_Strict):
         return self
 
 
+class LoraTrackSpec(_Strict):
+    """The language track's tasks with LoRA experts (``language/lora_track.py``)."""
+
+    enabled: bool = False
+    rank: int = Field(default=16, ge=1)
+    alpha: float = Field(default=32.0, gt=0)
+    targets: list[str] = Field(
+        default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1
+    )
+    finetune: FinetuneSpec = Field(
+        default_factory=lambda: FinetuneSpec(steps=80, batch_size=8, lr=2e-4, warmup_fraction=0.1)
+    )
+    anchors: list[AnchorSpec] = Field(
+        default_factory=lambda: [
+            AnchorSpec(
+                name="task_arithmetic", method="task_arithmetic", grid={"model.weight": [0.3, 0.5, 1.0]}
+            ),
+            AnchorSpec(
+                name="ties",
+                method="ties",
+                model_parameters={"weight": 1.0, "density": 0.2},
+                grid={"lambda": [0.6, 1.0]},
+            ),
+        ],
+        description="mergekit anchors over the adapters, tuned on validation, each with BMM over it",
+    )
+    peft_methods: list[str] = Field(
+        default=["linear", "cat", "ties", "dare_ties", "svd", "magnitude_prune"],
+        description="PEFT add_weighted_adapter combination types, each tuned on validation",
+    )
+    peft_weights: list[float] = Field(default=[0.3, 0.5, 1.0], min_length=1)
+    peft_densities: list[float] = Field(default=[0.2, 0.5], min_length=1)
+
+
 class LanguageSpec(_Strict):
     """The language track: SmolLM2-135M-Instruct experts, validated and tested with lm-eval."""
 
@@ -271,6 +305,7 @@ class LanguageSpec(_Strict):
         default_factory=lambda: SearchSpec(budget=0, n_initial=1),
         description="BMM (data-free) over each tuned anchor, searched with lm-eval; budget 0 = off",
     )
+    lora: LoraTrackSpec = Field(default_factory=LoraTrackSpec, description="the same tasks with LoRA experts")
 
 
 class RunConfig(_Strict):

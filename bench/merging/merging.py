@@ -15,7 +15,7 @@ from typing import Any
 
 from bench.merging import device
 from bench.merging.cache import stable_key
-from mergekit_bmm.io.fingerprint import model_fingerprint
+from mergekit_bmm.io.fingerprint import model_fingerprint, reference_fingerprint
 
 
 def task_arithmetic_recipe(base: Path, experts: Sequence[Path], weight: float) -> dict[str, Any]:
@@ -34,6 +34,8 @@ def _fingerprinted(value: Any) -> Any:
         return [_fingerprinted(item) for item in value]
     if isinstance(value, str) and value.startswith("/") and Path(value, "config.json").is_file():
         return model_fingerprint(value)
+    if isinstance(value, str) and value.startswith("/") and "+" in value:  # BASE+ADAPTER: both
+        return reference_fingerprint(value) or value
     return value
 
 

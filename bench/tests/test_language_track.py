@@ -150,3 +150,39 @@ def test_test_scores_keep_each_document_for_paired_intervals(mc_task, tiny_llama
     assert seconds > 0 and len(cache.get(key)["documents"]) == 10
     _, seconds = score_lm("base", models["base"], jobs, folder, cache, batch_size=4, limit=None)
     assert seconds == 0.0
+
+
+def test_lora_experts_peft_merges_and_their_intervals(mc_task, tiny_llama, tmp_path, monkeypatch):
+    """The LoRA track's pieces on a tiny model: an adapter trained on the task, PEFT's adapter merges
+    tuned on validation, and paired intervals between two of them."""
+    from bench.merging.cache import ScoreCache
+    from bench.merging.config import FinetuneSpec, LoraTrackSpec
+    from bench.merging.language.lm_eval_runner import test_documents
+    from bench.merging.language.lora_track import Scoring, intervals, train_lora, tuned_peft
+    from bench.merging.language.mc_tasks import write_lm_eval_yamls
+
+    monkeypatch.chdir(tmp_path)
+    spec = LoraTrackSpec(
+        enabled=True,
+        rank=2,
+        alpha=4,
+        targets=["q_proj", "v_proj"],
+        finetune=FinetuneSpec(steps=1, batch_size=4, lr=1e-3, warmup_fraction=0.0, threads=1),
+        peft_methods=["ties"],
+        peft_weights=[0.5],
+        peft_densities=[0.5],
+    )
+    adapters = []
+    for seed in (0, 1):
+        folder = tmp_path / f"lora-{seed}"
+        info = train_lora(tiny_llama.base, mc_task, spec, 48, seed, folder)
+        assert info["steps"] == 1 and (folder / "adapter_model.safetensors").is_file()
+        adapters.append(folder)
+    scoring = Scoring(
+        [mc_task], write_lm_eval_yamls([mc_task], tmp_path / "yamls"), ScoreCache(tmp_path / "c"), 4, None
+    )
+    ties = tuned_peft("ties", spec, tiny_llama.base, adapters, scoring, tmp_path)
+    assert ties["density"] == 0.5 and ties["weight"] == 0.5 and 0 <= ties["scores"]["mood_mc"]["test"] <= 1
+    assert len(test_documents(ties["model_id"], [mc_task], scoring.cache, None)["mood_mc"]) == 10
+    pairs = intervals({"bmm x": ties["model_id"], "peft ties": ties["model_id"]}, scoring)
+    assert pairs == {"bmm x - peft ties": {"delta": 0.0, "low": 0.0, "high": 0.0}}

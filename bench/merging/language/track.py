@@ -99,7 +99,7 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
     work = cache_dir / "language" / "merges" / "work"
     for weight in spec.task_arithmetic_weights:
         recipe = task_arithmetic_recipe(model_dir, [experts[t.name] for t in tasks], weight)
-        scores = _merge_and_score(
+        scores = merge_and_score_lm(
             recipe, [(t, "validation") for t in tasks], include, cache, batch, limit, work, timings
         )
         sweep[str(weight)] = round(mean([scores[(t.name, "validation")] for t in tasks]), 4)
@@ -108,7 +108,7 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
         say(f"LM task_arithmetic weight {weight:<4g} validation avg {sweep[str(weight)]:.4f}")
     recipe = task_arithmetic_recipe(model_dir, [experts[t.name] for t in tasks], best)
     jobs = [(t, s) for t in tasks for s in ("validation", "test")]
-    scores = _merge_and_score(recipe, jobs, include, cache, batch, limit, work, timings)
+    scores = merge_and_score_lm(recipe, jobs, include, cache, batch, limit, work, timings)
     out["task_arithmetic"] = {"weight": best, "validation_sweep": sweep, "scores": summarize(scores)}
     models["task_arithmetic"] = recipe_key(recipe)
     if work.exists():
@@ -128,15 +128,17 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
         models["bmm auto over task_arithmetic"] = out["bmm"]["auto"]["model_id"]
     out["anchors"] = {}
     for anchor_spec in spec.anchors:
-        anchor = _tuned_anchor(
-            config, cache_dir, anchor_spec, model_dir, expert_dirs, tasks, include, timings
-        )
+        anchor = tuned_anchor(config, cache_dir, anchor_spec, model_dir, expert_dirs, tasks, include, timings)
         out["anchors"][anchor_spec.name] = anchor
         models[anchor_spec.name] = anchor["model_id"]
         if "bmm" in anchor:
             models[f"bmm over {anchor_spec.name}"] = anchor["bmm"]["model_id"]
             models[f"bmm defaults over {anchor_spec.name}"] = anchor["bmm"]["defaults"]["model_id"]
             models[f"bmm auto over {anchor_spec.name}"] = anchor["bmm"]["auto"]["model_id"]
+    if spec.lora.enabled:  # the same tasks with LoRA experts: BMM against PEFT's adapter merges
+        from bench.merging.language.lora_track import run_lora_track
+
+        out["lora"] = run_lora_track(config, cache_dir, model_dir, model_fp, tasks, include)
     out["intervals"] = _intervals(models, expert_ids, tasks, cache, limit)
     out["timings"] = timings
     write_json(
@@ -154,7 +156,7 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _tuned_anchor(
+def tuned_anchor(
     config: RunConfig, cache_dir: Path, anchor_spec, model_dir: Path, experts, tasks, include, timings
 ) -> dict[str, Any]:
     """An anchor's own scale tuned on validation (as for the encoder track), its test scores, and
@@ -168,7 +170,7 @@ def _tuned_anchor(
         """A lone grid point is merged straight into its kept folder, as ``tune_anchor`` asks."""
         started = time.time()
         if folder is None:
-            scores = _merge_and_score(recipe, jobs, include, cache, batch, limit, work, {})
+            scores = merge_and_score_lm(recipe, jobs, include, cache, batch, limit, work, {})
         else:
             folder, _ = materialise(recipe, folder)
             scores, _ = score_lm(recipe_key(recipe), folder, jobs, include, cache, batch, limit)
@@ -249,11 +251,11 @@ def _bmm_over_anchor(
     timings[f"{prefix}_surrogate_seconds"] = outcome["times"]["surrogate"]
     # BMM at its defaults: the search's recipe with no λ or s, one merge and no trials
     work = cache_dir / "language" / "merges" / "work"
-    defaults = _merge_and_score(template, jobs, include, cache, batch, limit, work, {})
+    defaults = merge_and_score_lm(template, jobs, include, cache, batch, limit, work, {})
     # λ from the evidence, s 1: one merge, no validation data
     automatic = {**template, "parameters": {**template["parameters"], "lambda": "auto"}}
     chosen: dict[str, Any] = {}
-    auto = _merge_and_score(automatic, jobs, include, cache, batch, limit, work, {}, chosen)
+    auto = merge_and_score_lm(automatic, jobs, include, cache, batch, limit, work, {}, chosen)
     shutil.rmtree(work, ignore_errors=True)
     return {
         "anchor": anchor,
@@ -294,7 +296,7 @@ def _intervals(models: dict[str, str], expert_ids: dict[str, str], tasks, cache,
     return out
 
 
-def _merge_and_score(
+def merge_and_score_lm(
     recipe, jobs, include, cache, batch, limit, work: Path, timings, chosen: dict | None = None
 ) -> dict:
     """Scores of ``recipe``'s merge (merged only when a score is missing); a ``lambda: auto`` merge

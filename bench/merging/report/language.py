@@ -52,15 +52,41 @@ def language_markdown(language: dict[str, Any]) -> str:
             f"{w}: {100 * v:.1f}" for w, v in sweep.items()
         )
     if language.get("intervals"):
-        rows = ["| comparison (test) | Δ (points) | 95 % interval |", "|---|---|---|"]
-        for name, d in language["intervals"].items():
-            rows.append(
-                f"| {name} | {100 * d['delta']:+.1f} | [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] |"
-            )
         text += (
             "\n\nPaired bootstrap over the test documents (the same documents for both models; "
-            "experts: each on its own task).\n\n" + "\n".join(rows)
+            "experts: each on its own task).\n\n" + _interval_rows(language["intervals"])
         )
+    if language.get("lora"):
+        text += "\n\n" + lora_markdown(language["lora"], tasks, row)
+    return text
+
+
+def _interval_rows(found: dict[str, dict[str, float]]) -> str:
+    rows = ["| comparison (test) | Δ (points) | 95 % interval |", "|---|---|---|"]
+    for name, d in found.items():
+        rows.append(f"| {name} | {100 * d['delta']:+.1f} | [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] |")
+    return "\n".join(rows)
+
+
+def lora_markdown(lora: dict[str, Any], tasks: list[str], row) -> str:
+    """The LoRA experts' table: mergekit's anchors with BMM over them, and PEFT's adapter merges."""
+    lines = table_head(["model (LoRA experts)", *tasks, "avg (test)"])
+    for name, anchor in lora.get("anchors", {}).items():
+        tuned = f"{anchor['parameter']} {anchor['value']}" if anchor.get("parameter") else "defaults"
+        lines.append(row(f"{name} ({tuned})", anchor["scores"]))
+        if "bmm" in anchor:
+            lines.append(row(_bmm_label(name, anchor["bmm"]), anchor["bmm"]["scores"]))
+            lines += _one_merge_rows(row, name, anchor["bmm"])
+    for method, found in lora.get("peft", {}).items():
+        density = f", density {found['density']}" if found.get("density") is not None else ""
+        lines.append(row(f"PEFT {method} (weight {found['weight']}{density})", found["scores"]))
+    lines.append(row("Indiv. (each LoRA expert on its task)", lora["indiv"]))
+    text = (
+        f"### LoRA experts (rank {lora['rank']}, α {lora['alpha']}, on {', '.join(lora['targets'])})\n\n"
+        + "\n".join(lines)
+    )
+    if lora.get("intervals"):
+        text += "\n\nPaired bootstrap over the test documents.\n\n" + _interval_rows(lora["intervals"])
     return text
 
 

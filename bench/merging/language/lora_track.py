@@ -1,0 +1,220 @@
+"""The language track with LoRA experts: BMM against PEFT's own adapter merges and mergekit's anchors.
+
+One LoRA adapter per task (PEFT, on every linear module, the same answer-only loss as the dense
+experts) on the language track's model. Compared on the same lm-eval tasks, every method tuned on
+validation and scored on test:
+
+* mergekit's Task Arithmetic and TIES over the ``BASE+ADAPTER`` experts, each with BMM over it (at its
+  defaults, at ``lambda: auto`` and searched), as the dense track does (:mod:`.track`);
+* PEFT's ``add_weighted_adapter`` (linear, cat, ties, dare_ties, svd, magnitude_prune, …), each over a
+  grid of one weight for every adapter (and a density where the method takes one), merged into the
+  base and saved as a model for lm-eval;
+* paired bootstrap intervals over the test documents: BMM against each PEFT method and each anchor.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.merging.cache import ScoreCache, Stage, model_folder_fingerprint, stable_key
+from bench.merging.config import LoraTrackSpec, RunConfig
+from bench.merging.finetune import deterministic
+from bench.merging.intervals import paired_difference
+from bench.merging.language.lm_eval_runner import score_lm, summarize, test_documents
+from bench.merging.language.lm_finetune import collate, encode_example
+from bench.merging.language.mc_tasks import MCTask
+from bench.merging.training import batch_order, expert_key, expert_seed, summary, train_loop
+
+DENSITY_METHODS = {"ties", "dare_ties", "dare_linear", "magnitude_prune", "ties_svd", "dare_ties_svd"}
+
+
+def say(message: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(message)
+
+
+def train_lora(
+    model_dir: Path, task: MCTask, spec: LoraTrackSpec, max_length: int, seed: int, out_dir: Path
+) -> dict[str, Any]:
+    """A LoRA adapter for ``task`` (resumable), saved with PEFT's ``save_pretrained``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    records = task.records("train")
+    with deterministic(spec.finetune.threads):
+        torch.manual_seed(seed)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        lora = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets))
+        model = get_peft_model(base, lora)
+        model.train()
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        examples = [
+            encode_example(tokenizer, r["query"], r["choices"][r["label"]], max_length) for r in records
+        ]
+
+        def step_loss(rows):
+            batch = collate([examples[i] for i in rows], pad_id)
+            output = model(**batch)
+            answer = batch["labels"][:, 1:] != -100
+            correct = ((output.logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]) | ~answer).all(dim=1)
+            return output.loss, int(correct.sum())
+
+        batches = batch_order(len(examples), spec.finetune.batch_size, spec.finetune.steps, seed)
+        state = train_loop(model, spec.finetune, batches, step_loss, out_dir, 20, f"LoRA {task.name}")
+        model.eval()
+        model.save_pretrained(str(out_dir))
+    return summary(state, spec.finetune, len(examples), seed)
+
+
+def build_lora_expert(task: MCTask, model_dir: Path, model_fp: str, config: RunConfig, cache_dir: Path):
+    """The task's adapter, trained once (a stage of the cache, resumable)."""
+    spec, length = config.language.lora, config.language.max_length
+    seed = expert_seed(spec.finetune, task.name)
+    payload = expert_key(spec.finetune, length, seed, task_data=task.sha256, model=model_fp)
+    payload.update(rank=spec.rank, alpha=spec.alpha, targets=list(spec.targets))
+    stage = Stage(cache_dir, "language/lora-experts", task.name, payload, model_folder_fingerprint)
+
+    def produce(folder: Path) -> dict[str, Any]:
+        return train_lora(model_dir, task, spec, length, seed, folder)
+
+    record, cached = stage.get(produce, resume=True)
+    return stage.path, record, cached
+
+
+def peft_merge(
+    model_dir: Path, adapters: list[Path], method: str, weight: float, density: float | None, out: Path
+):
+    """PEFT's ``add_weighted_adapter`` over the adapters, merged into the base and saved (once)."""
+    if (out / "config.json").is_file():
+        return out
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    names = [f"expert{i}" for i in range(len(adapters))]
+    model = PeftModel.from_pretrained(model, str(adapters[0]), adapter_name=names[0])
+    for name, adapter in zip(names[1:], adapters[1:]):
+        model.load_adapter(str(adapter), adapter_name=name)
+    extra = {"density": density} if density is not None else {}
+    model.add_weighted_adapter(names, [weight] * len(names), "merged", combination_type=method, **extra)
+    model.set_adapter("merged")
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.merge_and_unload(adapter_names=["merged"]).save_pretrained(str(partial))
+    AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(partial))
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+    return out
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """Where and how the track's models are scored (lm-eval tasks, score cache, limits)."""
+
+    tasks: list
+    include: Path
+    cache: ScoreCache
+    batch: int
+    limit: int | None
+
+    def score(self, model_id: str, folder: Path, jobs) -> dict:
+        return score_lm(model_id, folder, jobs, self.include, self.cache, self.batch, self.limit)[0]
+
+    @property
+    def every_job(self) -> list:
+        return [(t, split) for t in self.tasks for split in ("validation", "test")]
+
+
+def run_lora_track(
+    config: RunConfig, cache_dir: Path, model_dir: Path, model_fp: str, tasks, include
+) -> dict[str, Any]:
+    """Everything the LoRA table needs (scores, tuned values, intervals), every stage cached."""
+    from bench.merging.language import track
+    from mergekit_bmm.io.lora_experts import dense_model
+
+    spec, language = config.language.lora, config.language
+    scoring = Scoring(
+        list(tasks), include, ScoreCache(cache_dir), language.eval_batch_size, language.eval_limit
+    )
+    os.environ["MERGEKIT_BMM_CACHE"] = str(cache_dir / "language" / "plugin-cache")  # merged LoRA copies
+    out: dict[str, Any] = {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)}
+    adapters, out["indiv"] = {}, {}
+    for task in tasks:
+        path, record, cached = build_lora_expert(task, model_dir, model_fp, config, cache_dir)
+        adapters[task.name] = path
+        dense = dense_model(f"{model_dir}+{path}")
+        own = scoring.score(f"lora:{record['fingerprint']}", dense, [(task, "validation"), (task, "test")])
+        out["indiv"][task.name] = summarize(own)[task.name]
+        say(f"LoRA      {task.name:18s} {record['info']['steps']} steps {'(cached)' if cached else ''}")
+    experts = [f"{model_dir}+{adapters[t.name]}" for t in tasks]
+    models: dict[str, str] = {}
+    out["anchors"] = {}
+    for anchor_spec in spec.anchors:
+        anchor = track.tuned_anchor(config, cache_dir, anchor_spec, model_dir, experts, tasks, include, {})
+        out["anchors"][anchor_spec.name] = anchor
+        models[anchor_spec.name] = anchor["model_id"]
+        if "bmm" in anchor:
+            bmm = anchor["bmm"]
+            models[f"bmm over {anchor_spec.name}"] = bmm["model_id"]
+            models[f"bmm defaults over {anchor_spec.name}"] = bmm["defaults"]["model_id"]
+            models[f"bmm auto over {anchor_spec.name}"] = bmm["auto"]["model_id"]
+    out["peft"] = {}
+    ordered = [adapters[t.name] for t in tasks]
+    for method in spec.peft_methods:
+        out["peft"][method] = tuned_peft(method, spec, model_dir, ordered, scoring, cache_dir)
+        models[f"peft {method}"] = out["peft"][method]["model_id"]
+    out["intervals"] = intervals(models, scoring)
+    return out
+
+
+def tuned_peft(method: str, spec, model_dir: Path, adapters: list[Path], scoring: Scoring, cache_dir: Path):
+    """One PEFT combination type tuned on validation over (weight, density); its best on test."""
+    densities = spec.peft_densities if method in DENSITY_METHODS else [None]
+    work = cache_dir / "language" / "peft-merges"
+    validation = [(t, "validation") for t in scoring.tasks]
+    fingerprints = [model_folder_fingerprint(a) for a in adapters]
+    sweep, best = {}, None
+    for weight in spec.peft_weights:
+        for density in densities:
+            point = {"method": method, "weight": weight, "density": density}
+            key = "peft:" + stable_key({**point, "adapters": fingerprints, "base": str(model_dir)}, 24)
+            folder = peft_merge(model_dir, adapters, method, weight, density, work / key.split(":")[1])
+            scores = scoring.score(key, folder, validation)
+            score = sum(scores.values()) / len(scores)
+            sweep[f"{weight}/{density}"] = round(score, 4)
+            if best is None or score > best[0]:
+                best = (score, key, folder, weight, density)
+    score, key, folder, weight, density = best
+    scores = scoring.score(key, folder, scoring.every_job)
+    say(f"LoRA peft {method:18s} weight {weight} density {density} validation {score:.4f}")
+    return {
+        "model_id": key,
+        "weight": weight,
+        "density": density,
+        "validation_sweep": sweep,
+        "scores": summarize(scores),
+    }
+
+
+def intervals(models: dict[str, str], scoring: Scoring) -> dict[str, dict[str, float]]:
+    """Paired bootstrap over test documents: each BMM against each PEFT method and each anchor."""
+    documents = {
+        name: test_documents(model_id, scoring.tasks, scoring.cache, scoring.limit)
+        for name, model_id in models.items()
+    }
+    bmm = [name for name in models if name.startswith("bmm ")]
+    others = [name for name in models if not name.startswith("bmm ")]
+    out = {}
+    for first in bmm:
+        for second in others:
+            delta, low, high = (round(v, 4) for v in paired_difference(documents[first], documents[second]))
+            out[f"{first} - {second}"] = {"delta": delta, "low": low, "high": high}
+    return out
