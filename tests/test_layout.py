@@ -67,7 +67,7 @@ def _imports(folder: str) -> set[str]:
 # folder or one below it.
 PIPELINE = (
     "errors", "io", "devices", "core", "anchors", "recipes", "evaluation", "stats", "merge_methods",
-    "cards", "sampling", "plugin", "search", "examples", "ensemble", "cli",
+    "cards", "sampling", "plugin", "adapters", "search", "examples", "ensemble", "cli",
 )  # fmt: skip
 
 
