@@ -15,6 +15,13 @@ import torch
 from mergekit_bmm.core.module_map import classify
 from mergekit_bmm.io.checkpoint import load_state_dict
 
+# A search.yml's `evaluator:` that scores trials with per_task_scores below.
+EVALUATOR = {
+    "type": "python",
+    "callable": "search_objectives:per_task_scores",
+    "python_path": [str(Path(__file__).parent)],
+}
+
 
 def _state(model) -> dict[str, torch.Tensor]:
     """The merged weights of a live model, or of a model folder."""

@@ -15,6 +15,7 @@ import torch
 import yaml
 from conftest import load_weights, relative_error
 from hf_cache import lay_out
+from search_objectives import EVALUATOR
 
 from mergekit_bmm.cards.merge_record import read_record
 from mergekit_bmm.errors import ConfigError
@@ -207,11 +208,7 @@ def test_lora_experts_in_statistics_alignment_and_a_search(family, tmp_path, mon
         "blocks": 1,
         "budget": 2,
         "n_initial": 2,
-        "evaluator": {
-            "type": "python",
-            "callable": "search_objectives:per_task_scores",
-            "python_path": [str(TESTS)],
-        },
+        "evaluator": EVALUATOR,
     }
     result = run_search(parse_search_config(raw, TESTS), tmp_path / "search", SearchOptions(progress=False))
     assert result.summary.status == "finished" and result.summary.completed_trials == 2

@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 from conftest import load_weights, reference_solve, relative_error
+from search_objectives import EVALUATOR
 
 from mergekit_bmm.cards.merge_record import read_record
 from mergekit_bmm.core.module_map import classify
@@ -128,11 +129,7 @@ def test_a_search_over_scale_only_keeps_auto_and_resident_trials_equal_disk_merg
         "budget": 3,
         "n_initial": 3,
         "trials": "memory",
-        "evaluator": {
-            "type": "python",
-            "callable": "search_objectives:per_task_scores",
-            "python_path": [str(tests)],
-        },
+        "evaluator": EVALUATOR,
     }
     config = parse_search_config(raw, tests)
     result = run_search(config, tmp_path / "search", SearchOptions(progress=False, device="cpu", plots=False))

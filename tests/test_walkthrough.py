@@ -16,6 +16,7 @@ import torch
 import yaml
 from conftest import load_weights
 from hf_cache import lay_out
+from search_objectives import EVALUATOR
 from stats_helpers import write_calibration
 
 from mergekit_bmm.cards.merge_record import read_record
@@ -88,11 +89,7 @@ def test_step_2_the_search_on_hub_ids_offline(walk):
         "blocks": 1,
         "budget": 2,
         "n_initial": 2,
-        "evaluator": {
-            "type": "python",
-            "callable": "search_objectives:per_task_scores",
-            "python_path": [str(TESTS)],
-        },
+        "evaluator": EVALUATOR,
     }
     (walk.root / "search.yml").write_text(yaml.safe_dump(search))
     walk.run("mergekit-bmm-search", "search.yml", "out/search", "--eval-anchor", "--quiet")

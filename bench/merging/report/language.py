@@ -32,12 +32,7 @@ def language_markdown(language: dict[str, Any]) -> str:
     if "bmm" in language:
         lines.append(row(_bmm_label("task_arithmetic", language["bmm"]), language["bmm"]["scores"]))
         lines += _one_merge_rows(row, "task_arithmetic", language["bmm"])
-    for name, anchor in language.get("anchors", {}).items():
-        tuned = f"{anchor['parameter']} {anchor['value']}" if anchor.get("parameter") else "defaults"
-        lines.append(row(f"{name} ({tuned})", anchor["scores"]))
-        if "bmm" in anchor:
-            lines.append(row(_bmm_label(name, anchor["bmm"]), anchor["bmm"]["scores"]))
-            lines += _one_merge_rows(row, name, anchor["bmm"])
+    lines += _anchor_rows(row, language.get("anchors", {}))
     lines.append(row("Indiv. (each expert on its task)", language["indiv"]))
     limit = language.get("eval_limit")
     text = (
@@ -71,12 +66,7 @@ def _interval_rows(found: dict[str, dict[str, float]]) -> str:
 def lora_markdown(lora: dict[str, Any], tasks: list[str], row) -> str:
     """The LoRA experts' table: mergekit's anchors with BMM over them, and PEFT's adapter merges."""
     lines = table_head(["model (LoRA experts)", *tasks, "avg (test)"])
-    for name, anchor in lora.get("anchors", {}).items():
-        tuned = f"{anchor['parameter']} {anchor['value']}" if anchor.get("parameter") else "defaults"
-        lines.append(row(f"{name} ({tuned})", anchor["scores"]))
-        if "bmm" in anchor:
-            lines.append(row(_bmm_label(name, anchor["bmm"]), anchor["bmm"]["scores"]))
-            lines += _one_merge_rows(row, name, anchor["bmm"])
+    lines += _anchor_rows(row, lora.get("anchors", {}))
     for method, found in lora.get("peft", {}).items():
         density = f", density {found['density']}" if found.get("density") is not None else ""
         lines.append(row(f"PEFT {method} (weight {found['weight']}{density})", found["scores"]))
@@ -88,6 +78,18 @@ def lora_markdown(lora: dict[str, Any], tasks: list[str], row) -> str:
     if lora.get("intervals"):
         text += "\n\nPaired bootstrap over the test documents.\n\n" + _interval_rows(lora["intervals"])
     return text
+
+
+def _anchor_rows(row, anchors: dict[str, Any]) -> list[str]:
+    """Each tuned anchor's row, then BMM over it: searched, at its defaults, at ``lambda: auto``."""
+    lines = []
+    for name, anchor in anchors.items():
+        tuned = f"{anchor['parameter']} {anchor['value']}" if anchor.get("parameter") else "defaults"
+        lines.append(row(f"{name} ({tuned})", anchor["scores"]))
+        if "bmm" in anchor:
+            lines.append(row(_bmm_label(name, anchor["bmm"]), anchor["bmm"]["scores"]))
+            lines += _one_merge_rows(row, name, anchor["bmm"])
+    return lines
 
 
 def _one_merge_rows(row, anchor: str, bmm: dict) -> list[str]:
