@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,10 +135,16 @@ class Scoring:
 
 
 def run_lora_track(
-    config: RunConfig, cache_dir: Path, model_dir: Path, model_fp: str, tasks, include
+    config: RunConfig,
+    cache_dir: Path,
+    model_dir: Path,
+    model_fp: str,
+    tasks,
+    include,
+    tuned_anchor: Callable[..., dict[str, Any]],
 ) -> dict[str, Any]:
-    """Everything the LoRA table needs (scores, tuned values, intervals), every stage cached."""
-    from bench.merging.language import track
+    """Everything the LoRA table needs (scores, tuned values, intervals), every stage cached;
+    ``tuned_anchor`` is the dense track's (an anchor tuned on validation, with BMM over it)."""
     from mergekit_bmm.io.lora_experts import dense_model
 
     spec, language = config.language.lora, config.language
@@ -158,7 +165,7 @@ def run_lora_track(
     models: dict[str, str] = {}
     out["anchors"] = {}
     for anchor_spec in spec.anchors:
-        anchor = track.tuned_anchor(config, cache_dir, anchor_spec, model_dir, experts, tasks, include, {})
+        anchor = tuned_anchor(config, cache_dir, anchor_spec, model_dir, experts, tasks, include, {})
         out["anchors"][anchor_spec.name] = anchor
         models[anchor_spec.name] = anchor["model_id"]
         if "bmm" in anchor:

@@ -138,7 +138,7 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
     if spec.lora.enabled:  # the same tasks with LoRA experts: BMM against PEFT's adapter merges
         from bench.merging.language.lora_track import run_lora_track
 
-        out["lora"] = run_lora_track(config, cache_dir, model_dir, model_fp, tasks, include)
+        out["lora"] = run_lora_track(config, cache_dir, model_dir, model_fp, tasks, include, tuned_anchor)
     out["intervals"] = _intervals(models, expert_ids, tasks, cache, limit)
     out["timings"] = timings
     write_json(
