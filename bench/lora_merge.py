@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -69,17 +70,21 @@ def recipe(base: Path, adapters: list[Path], method: str, **parameters) -> str:
     return yaml.safe_dump(body)
 
 
-def timed_merge(text: str, out: Path) -> dict[str, float]:
+def timed_merge(text: str, out: Path, repeats: int) -> dict[str, float]:
+    """The median wall time of ``repeats`` merges (each into ``out``), and the peaks over all."""
     from mergekit_bmm.plugin.run import merge_recipe_text
 
     reset_peak_rss()
     sampler = PeakSampler("RssAnon", "VmHWM")
-    started = time.perf_counter()
-    merge_recipe_text(text, out)
-    seconds = time.perf_counter() - started
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        merge_recipe_text(text, out)
+        times.append(time.perf_counter() - started)
     peaks = sampler.stop()
     return {
-        "seconds": round(seconds, 2),
+        "seconds": round(statistics.median(times), 2),
+        "runs": [round(t, 2) for t in times],
         "private_mib": round(peaks["RssAnon"]),
         "rss_mib": round(peaks["VmHWM"]),
     }
@@ -124,6 +129,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=3)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("/tmp/mergekit-bmm-lora-bench"))
+    parser.add_argument("--repeats", type=int, default=3, help="merges per row; the median is shown")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     os.environ["MERGEKIT_BMM_CACHE"] = str(args.out / "plugin-cache")
@@ -138,7 +144,7 @@ def main() -> None:
     for label, text in runs.items():
         out = args.out / "merged" / label.split(",")[0].split(" (")[0].replace(" ", "-")
         out = out.with_name(out.name + ("-full" if "full" in label else ""))
-        rows[label] = timed_merge(text, out)
+        rows[label] = timed_merge(text, out, 1 if "once" in label else args.repeats)
         outputs[label] = out
         print(f"{label}: {rows[label]}", flush=True)
     errors = accuracy(base, adapters, {k: outputs[k] for k in list(runs)[2:]}, args.layers)
@@ -147,6 +153,7 @@ def main() -> None:
         f"\nLoRA merge: hidden {args.hidden}, {args.layers} layers, {args.experts} adapters of rank "
         f"{args.rank} on every linear module, float32, {torch.get_num_threads()} threads\n"
     )
+    print(f"(median of {args.repeats} merges per row)\n")
     print("| merge | seconds | × Task Arithmetic | peak private MiB | peak RSS MiB | rel. error vs float64 |")
     print("|---|---|---|---|---|---|")
     for label, row in rows.items():

@@ -149,8 +149,8 @@ class EigenFactors:
         """Columns of the basis: ``d_in``, or fewer for a thin basis."""
         return self.basis.shape[1]
 
-    def to(self, device: torch.device | str) -> EigenFactors:
-        """The same factors on ``device`` (no copy when already there)."""
+    def to(self, device: torch.device | str | torch.dtype) -> EigenFactors:
+        """The same factors on ``device``, or in a dtype (no copy when already so)."""
         moved = {
             field.name: value.to(device) if isinstance(value, torch.Tensor) else value  # evidence stays
             for field in fields(self)

@@ -73,7 +73,7 @@ def low_rank_factors(
     no update at all gives the anchor (a rank-0 basis)."""
     d_out, d_in = anchor.shape
     if not updates:
-        return _anchor_only(anchor.to(dtype), experts or 0)
+        return _anchor_only(anchor, experts or 0)
     _check(updates, anchor)
     weights = list(weights) if weights is not None else [1.0] * len(updates)
     lefts = [u.left.to(dtype) for u in updates]
@@ -87,8 +87,9 @@ def low_rank_factors(
     # C Q = Σ w_t B_t (A_t A_tᵀ)(B_tᵀ B_t) (A_t Q): every factor k-sized
     right_in_q = [a @ q for a in rights]  # A_t Q, r_t × k
     cross_q = sum(b @ ((a @ a.T) @ block) @ aq for b, a, block, aq in zip(lefts, rights, blocks, right_in_q))
-    u0 = anchor.to(dtype)
-    anchor_q = u0 @ q  # U0 Q, the one d_out × d_in × k product
+    # U0 Q, the one d_out × d_in × k product, in the anchor's own dtype (the merge's compute dtype):
+    # a float32 product is exact to its rounding, and the rest is k-sized and in ``dtype``
+    anchor_q = (anchor @ q.to(anchor.dtype)).to(dtype)
     residual_q = cross_q - anchor_q @ h  # (C − U0 G) Q
     eigenvalues, vectors = torch.linalg.eigh(h)
     basis = q @ vectors
@@ -106,7 +107,7 @@ def low_rank_factors(
         basis=basis,
         eigenvalues=eigenvalues,
         correction=correction,
-        anchor=u0,
+        anchor=anchor,
         mean_eigenvalue=trace / d_in,
         diagonal_max=float(eigenvalues.max()) if eigenvalues.numel() else 0.0,
         evidence=evidence,

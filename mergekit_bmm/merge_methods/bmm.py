@@ -331,7 +331,7 @@ class _Solve:
         """The exact (float64) eigen factors from the adapters' factors; the prior from the anchor."""
         check_finite(self.group)
         dtype = self.settings.compute_dtype  # the anchor as the full route computes it
-        prior = self.orient(self.source.weight(dtype).to(torch.float64) - self.base.to(torch.float64))
+        prior = self.orient(self.source.weight(dtype) - self.base.to(dtype))
         return low_rank_factors(updates, prior, experts=len(self.tasks))
 
     def untouched(self) -> torch.Tensor:
@@ -346,11 +346,14 @@ class _Solve:
         if updates == []:
             return self.untouched()
         if updates is not None:
-            factors = self._low_rank_factors(updates)
+            factors = self._low_rank_factors(updates)  # k-sized parts in float64
             merge_findings.note_low_rank(self.name, factors.rank)
             ridge = self._chosen_ridge(factors)
-            merged = closed_form.solve_from_factors(factors, ridge).to(settings.compute_dtype)
-            eigen = factors.complete_eigen(merged.dtype) if solved_tensors.active() else None
+            solved = factors.to(settings.compute_dtype)  # the product W_pre + s·U in the compute dtype
+            if not solved_tensors.active():
+                return closed_form.weight_from_factors(solved, self.base, ridge, settings.scale)
+            merged = closed_form.solve_from_factors(solved, ridge)
+            eigen = solved.complete_eigen(merged.dtype)
             base_c = self.base.to(settings.compute_dtype)
             return self._output(merged, base_c, lambda: ridge, settings.compute_dtype, eigen=eigen)
         equations, prior, base_c = self._problem()

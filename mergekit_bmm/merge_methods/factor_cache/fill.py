@@ -119,7 +119,7 @@ def fill_exact_factors(
     """Store factors computed exactly elsewhere (float64; the LoRA subspace route) under ``key``."""
     eigen = _Eigen(f"{key_digest(key)}-{uuid.uuid4().hex[:12]}", exact.eigenvalues, exact.basis)
     rounded = exact.eigenvalues.to(settings.compute_dtype).to(EXACT)  # as a read gives them
-    exact = replace(exact, eigenvalues=rounded)
+    exact = replace(exact, eigenvalues=rounded, anchor=exact.anchor.to(EXACT))
     return _store(cache, name, key, eigen, exact, base, settings)
 
 
