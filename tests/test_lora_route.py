@@ -119,3 +119,22 @@ def test_the_full_route_the_cache_and_lambda_auto_agree_with_it(lora_family, tmp
         assert chosen["auto cached"][name]["lambda"] == pytest.approx(
             chosen["auto"][name]["lambda"], rel=1e-5
         )
+
+
+def test_posterior_samples_of_lora_experts_run_through_the_route(lora_family, tmp_path):
+    from mergekit_bmm.plugin.run import merge_options
+    from mergekit_bmm.sampling.run import SamplingRequest, sample_models
+
+    base, adapters = lora_family
+    recipe = tmp_path / "recipe.yml"
+    recipe.write_text(_recipe(base, adapters))
+    request = SamplingRequest(2, 100.0, None, "q_proj", 0)
+    summary = sample_models(str(recipe), str(tmp_path / "samples"), request, merge_options(quiet=True))
+    assert [record.name for record in summary.tensors] == [
+        f"model.layers.{i}.self_attn.q_proj.weight" for i in range(2)
+    ]
+    map_weights = load_weights(tmp_path / "samples" / "map")
+    direct = tmp_path / "direct"
+    merge_recipe_text(_recipe(base, adapters), direct)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert relative_error(map_weights[name], load_weights(direct)[name]) < 1e-6
