@@ -39,8 +39,7 @@ from mergekit_bmm.core import closed_form, normal_equations
 from mergekit_bmm.core.low_rank import LowRankUpdate, low_rank_factors
 from mergekit_bmm.core.module_map import ModuleInfo, classify
 from mergekit_bmm.errors import ConfigError, NonFiniteOutputError, TensorInputError
-from mergekit_bmm.io.lora_adapters import adapter_for
-from mergekit_bmm.io.model_folder import local_model_dir, model_type_of
+from mergekit_bmm.io.model_folder import model_type_of
 from mergekit_bmm.merge_methods import chosen_lambdas, kept_at_anchor, merge_findings
 from mergekit_bmm.merge_methods import observer as solved_tensors
 from mergekit_bmm.merge_methods.bmm_anchor import (
@@ -53,6 +52,7 @@ from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings, build_spec
 from mergekit_bmm.merge_methods.factor_cache import key as cache_key
 from mergekit_bmm.merge_methods.factor_cache.fill import fill_exact_factors, fill_factors, thin_rank
 from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
+from mergekit_bmm.merge_methods.lora_route import lora_updates
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
 
 LOG = logging.getLogger("mergekit_bmm")
@@ -306,26 +306,8 @@ class _Solve:
         return self.equations_for(self.settings, self.group, self.tasks, task_vectors), prior, base_c
 
     def low_rank_updates(self) -> list[LowRankUpdate] | None:
-        """The experts' LoRA factors for this weight, when every expert is a plain LoRA adapter on
-        the recipe's base and the Grams are data-free (None: the full route)."""
-        settings = self.settings
-        if not settings.low_rank or settings.gram != "data_free" or settings.task_balance != "none":
-            return None
-        if self.transpose or "[" in self.name:  # Conv1D layouts and expert stacks: full route
-            return None
-        base_path = getattr(getattr(self.group.base.id, "model", None), "path", None)
-        updates = []
-        for entry in self.tasks:
-            lora, model = getattr(entry.id, "lora", None), getattr(entry.id, "model", None)
-            if lora is None or model is None or str(model) != str(self.group.base.id.model):
-                return None  # a dense expert, or an adapter on another base than the recipe's
-            adapter = adapter_for(local_model_dir(str(lora)))
-            if adapter is None or base_path is None:
-                return None
-            factors = adapter.update(self.name)
-            if factors is not None:
-                updates.append(LowRankUpdate(*factors))
-        return updates
+        """The experts' LoRA factors for this weight, or None for the full route (:mod:`.lora_route`)."""
+        return lora_updates(self.settings, self.group, self.tasks, self.name, self.transpose)
 
     def _low_rank_factors(self, updates: list[LowRankUpdate]) -> closed_form.EigenFactors:
         """The exact (float64) eigen factors from the adapters' factors; the prior from the anchor."""

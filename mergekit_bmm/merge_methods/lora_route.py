@@ -1,0 +1,43 @@
+"""When ``bmm`` solves a weight from its LoRA experts' factors (:mod:`mergekit_bmm.core.low_rank`).
+
+Every expert must be a plain LoRA adapter on the recipe's base (``model: BASE+ADAPTER``), the Grams
+data-free and untouched by ``task_balance``, the weight an ``nn.Linear`` one (not GPT-2's Conv1D, not
+a slice of an expert stack), and ``low_rank`` not switched off. Anything else takes the full route.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mergekit.merge_methods.base import TensorEntry, TensorGroup
+
+from mergekit_bmm.core.low_rank import LowRankUpdate
+from mergekit_bmm.io.lora_adapters import adapter_for
+from mergekit_bmm.io.model_folder import local_model_dir
+from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
+
+
+def lora_updates(
+    settings: BMMSettings, group: TensorGroup, tasks: Sequence[TensorEntry], name: str, transpose: bool
+) -> list[LowRankUpdate] | None:
+    """The experts' ``(s·B, A)`` for weight ``name`` ([] when no adapter touches it), or None when
+    the low-rank route does not apply."""
+    if not settings.low_rank or settings.gram != "data_free" or settings.task_balance != "none":
+        return None
+    if transpose or "[" in name:  # Conv1D layouts and expert stacks: full route
+        return None
+    base_model = getattr(group.base.id, "model", None)
+    if base_model is None:
+        return None
+    updates = []
+    for entry in tasks:
+        lora, model = getattr(entry.id, "lora", None), getattr(entry.id, "model", None)
+        if lora is None or model is None or str(model) != str(base_model):
+            return None  # a dense expert, or an adapter on another base than the recipe's
+        adapter = adapter_for(local_model_dir(str(lora)))
+        if adapter is None:
+            return None
+        factors = adapter.update(name)
+        if factors is not None:
+            updates.append(LowRankUpdate(*factors))
+    return updates
