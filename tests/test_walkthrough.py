@@ -95,6 +95,8 @@ def test_step_2_the_search_on_hub_ids_offline(walk):
     walk.run("mergekit-bmm-search", "search.yml", "out/search", "--eval-anchor", "--quiet")
     best = yaml.safe_load((walk.root / "out" / "search" / "best.yml").read_text())
     assert best["base_model"] == "you/tiny-base"  # the recipe still names the Hub ids
+    experiment = json.loads((walk.root / "out" / "search" / "experiment.json").read_text())
+    assert experiment["definition"]["revisions"] == walk.commits  # the commits searched over
     assert {item.revision for item in read_record(walk.root / "out" / "search" / "best").inputs} == set(
         walk.commits.values()
     )

@@ -157,22 +157,17 @@ def read_record(folder: str | Path) -> MergeRecord | None:
 def input_records(view: RecipeView) -> list[InputRecord]:
     """Each input of the recipe with its weights' fingerprint as they are now (and, for a Hub id,
     the commit of the snapshot that was merged)."""
-    from mergekit_bmm.io.hub_models import cached_folder, snapshot_commit
+    from mergekit_bmm.io.hub_models import hub_commit
 
-    records = []
-    for model in view.inputs:
-        base = model.reference.split("+", 1)[0]
-        repo_id, _, revision = base.partition("@")
-        snapshot = cached_folder(repo_id, revision or None) if model.local_path is None else None
-        records.append(
-            InputRecord(
-                model=model.reference,
-                role=model.role,
-                fingerprint=reference_fingerprint(model.reference),
-                revision=snapshot_commit(snapshot) if snapshot is not None else "",
-            )
+    return [
+        InputRecord(
+            model=model.reference,
+            role=model.role,
+            fingerprint=reference_fingerprint(model.reference),
+            revision=hub_commit(model.reference) if model.local_path is None else "",
         )
-    return records
+        for model in view.inputs
+    ]
 
 
 def record_merge(

@@ -90,3 +90,11 @@ def snapshot_commit(folder: str | Path) -> str:
     name = Path(folder).name
     parent = Path(folder).parent
     return name if _COMMIT.match(name) and parent.name == "snapshots" else ""
+
+
+def hub_commit(reference: str) -> str:
+    """The commit a reference's Hub id resolves to in the cache (its base's for ``BASE+ADAPTER``;
+    '' for local folders and ids not cached)."""
+    repo_id, _, revision = str(reference).split("+", 1)[0].partition("@")
+    folder = cached_folder(repo_id, revision or None)
+    return snapshot_commit(folder) if folder is not None else ""

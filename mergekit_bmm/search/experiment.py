@@ -21,6 +21,7 @@ from mergekit_bmm.core.module_map import filter_rules, outside_groups
 from mergekit_bmm.errors import OutputFolderError
 from mergekit_bmm.io.atomic import atomic_write_json
 from mergekit_bmm.io.fingerprint import reference_fingerprint
+from mergekit_bmm.io.hub_models import hub_commit
 from mergekit_bmm.io.model_folder import local_model_dir, model_type_of, weight_names_of, weight_shapes_of
 from mergekit_bmm.recipes.parse import mergekit_configuration
 from mergekit_bmm.search.config import SearchConfig, canonical_hash, load_template
@@ -58,6 +59,9 @@ def prepare_experiment(config: SearchConfig, cache_dir: Path | None) -> Experime
         "recipe": template,
         "models": {path: reference_fingerprint(path) for path in models},
     }
+    revisions = {path: commit for path in models if (commit := hub_commit(path))}
+    if revisions:  # Hub ids: the commits searched over (local folders: their fingerprints say it all)
+        definition["revisions"] = revisions
     recipes = TrialRecipes(template, space, weight_names, cache_dir)
     _check_with_mergekit(recipes, space)
     return Experiment(
