@@ -102,7 +102,7 @@ def export_adapter(
     options: Any,
     rank: int | None = None,
     source: str = "the recipe",
-    progress=None,
+    progress: bool = True,
 ) -> ExportReport:
     """Merge ``recipe_text`` in memory and write it to ``out_dir`` as one PEFT LoRA adapter."""
     from safetensors import safe_open
@@ -125,6 +125,9 @@ def export_adapter(
     report = ExportReport(Path(out_dir))
     tensors: dict[str, torch.Tensor] = {}
     moved: list[str] = []
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(modules), desc="Merging into LoRA factors", unit="module", disable=not progress)
 
     def on_tensor(name: str, tensor: torch.Tensor, _dtype: str | None) -> None:
         if name not in where:
@@ -143,10 +146,10 @@ def export_adapter(
         tensors[f"{key}.lora_A.weight"] = right.to(torch.float32).contiguous()
         tensors[f"{key}.lora_B.weight"] = left.to(torch.float32).contiguous()
         report.modules.append(ModuleExport(name, right.shape[0], error, exact))
-        if progress is not None:
-            progress(name)
+        bar.update()
 
-    merge_recipe_in_memory(recipe_text, options, on_tensor, source=source)
+    with bar:
+        merge_recipe_in_memory(recipe_text, options, on_tensor, source=source)
     if moved:
         raise ConfigError(
             f"the merge changed {len(moved)} tensor(s) no adapter touches (e.g. {moved[0]}), which a LoRA "

@@ -48,7 +48,7 @@ def write_adapter(recipe: Path, out: Path, options, rank: int | None, force: boo
     if any(path.exists() for path in written) and not force:
         raise OutputFolderError(f"{out} already holds an adapter; pass --force to replace it")
     text = recipe.read_text(encoding="utf-8")
-    report = export_adapter(text, out, options, rank, source=str(recipe))
+    report = export_adapter(text, out, options, rank, source=str(recipe), progress=not options.quiet)
     config = parse_recipe(text, str(recipe)).config
     (out / "README.md").write_text(adapter_card(text, config, report, out.name), encoding="utf-8")
     return report
