@@ -138,3 +138,18 @@ def test_posterior_samples_of_lora_experts_run_through_the_route(lora_family, tm
     merge_recipe_text(_recipe(base, adapters), direct)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
         assert relative_error(map_weights[name], load_weights(direct)[name]) < 1e-6
+
+
+def test_an_adapter_with_nan_is_one_line_naming_it(lora_family, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base, adapters = lora_family
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((adapters[0] / "adapter_config.json").read_text())
+    tensors = load_file(str(adapters[0] / "adapter_model.safetensors"))
+    key = next(k for k in tensors if "q_proj.lora_B" in k)
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(broken / "adapter_model.safetensors"))
+    with pytest.raises(Exception, match=r"LoRA factors of .*q_proj.* in adapter .*broken contain NaN"):
+        merge_recipe_text(_recipe(base, [broken, *adapters[1:]]), tmp_path / "out")

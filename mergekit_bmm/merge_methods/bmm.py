@@ -310,8 +310,10 @@ class _Solve:
         return lora_updates(self.settings, self.group, self.tasks, self.name, self.transpose)
 
     def _low_rank_factors(self, updates: list[LowRankUpdate]) -> closed_form.EigenFactors:
-        """The exact (float64) eigen factors from the adapters' factors; the prior from the anchor."""
-        check_finite(self.group)
+        """The exact (float64) eigen factors from the adapters' factors; the prior from the anchor.
+        Inputs checked for NaN/Inf: the base and any dense input (the factors were checked when read)."""
+        dense = tuple(e for e in self.group.entries if getattr(e.id, "lora", None) is None)
+        check_finite(TensorGroup(dense, self.group.metadata))
         dtype = self.settings.compute_dtype  # the anchor as the full route computes it
         prior = self.orient(self.source.weight(dtype) - self.base.to(dtype))
         return low_rank_factors(updates, prior, experts=len(self.tasks))

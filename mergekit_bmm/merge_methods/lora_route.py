@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from mergekit.merge_methods.base import TensorEntry, TensorGroup
 
 from mergekit_bmm.core.low_rank import LowRankUpdate
+from mergekit_bmm.errors import TensorInputError
 from mergekit_bmm.io.lora_adapters import adapter_for
 from mergekit_bmm.io.model_folder import local_model_dir
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
@@ -21,7 +23,8 @@ def lora_updates(
     settings: BMMSettings, group: TensorGroup, tasks: Sequence[TensorEntry], name: str, transpose: bool
 ) -> list[LowRankUpdate] | None:
     """The experts' ``(s·B, A)`` for weight ``name`` ([] when no adapter touches it), or None when
-    the low-rank route does not apply."""
+    the low-rank route does not apply. The factors are checked for NaN/Inf here: the route reads
+    them, not the dense copies mergekit made from them."""
     if not settings.low_rank or settings.gram != "data_free" or settings.task_balance != "none":
         return None
     if transpose or "[" in name:  # Conv1D layouts and expert stacks: full route
@@ -39,5 +42,10 @@ def lora_updates(
             return None
         factors = adapter.update(name)
         if factors is not None:
+            if not all(bool(torch.isfinite(f).all()) for f in factors):
+                raise TensorInputError(
+                    f"the LoRA factors of {name} in adapter {lora} contain NaN or Inf; repair or "
+                    "re-train that adapter before merging"
+                )
             updates.append(LowRankUpdate(*factors))
     return updates
