@@ -57,6 +57,19 @@ class NormalEquations:
         return self if scale <= 0 else self.scaled(1.0 / scale)
 
 
+_ROWS = 256  # rows per float64 block of inner64: its extra memory is 256 × columns × 8 bytes
+
+
+def inner64(left: torch.Tensor, right: torch.Tensor) -> float:
+    """``Σ left ∘ right`` accumulated in float64, a block of rows at a time: as exact as a float64
+    copy of both matrices (what the evidence's energy needs) without holding one."""
+    total = 0.0
+    for start in range(0, left.shape[0], _ROWS):
+        block = slice(start, start + _ROWS)
+        total += float((left[block].double() * right[block].double()).sum())
+    return total
+
+
 def _stack(task_vectors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     if not task_vectors:
         raise TensorInputError("the closed form needs at least one task vector")
@@ -92,11 +105,11 @@ def data_free_equations(
         if out_features < in_features:
             outer = vector @ vector.T
             cross.add_(outer @ vector, alpha=weight)
-            energy += weight * float(outer.double().square().sum())  # ‖U Uᵀ‖² = ‖UᵀU‖²
+            energy += weight * inner64(outer, outer)  # ‖U Uᵀ‖² = ‖UᵀU‖²
             del outer
         else:
             cross.add_(vector @ task_gram, alpha=weight)
-            energy += weight * float(task_gram.double().square().sum())
+            energy += weight * inner64(task_gram, task_gram)
         del task_gram
     # Data-free observations: each expert's own rows are its inputs (X_t = U_tᵀ, out columns).
     return NormalEquations(gram, cross, energy, float(len(vectors) * out_features))
@@ -147,7 +160,7 @@ def activation_equations(
         gram.add_(task_gram, alpha=weight)
         product = vector @ task_gram
         cross.add_(product, alpha=weight)
-        energy += weight * float((product.double() * vector.double()).sum())
+        energy += weight * inner64(product, vector)
         del product
     counted = tokens is not None and len(tokens) == len(vectors) and all(n > 0 for n in tokens)
     return NormalEquations(gram, cross, energy, float(sum(tokens)) if counted else None)
