@@ -3,7 +3,8 @@
 A Llama-shaped base (``--hidden``, default 1024, MLP 2.75×, ``--layers``), float32, and ``--experts``
 PEFT LoRA adapters of ``--rank`` on every linear module (q, k, v, o, gate, up, down), made locally.
 Every merge is mergekit's ``run_merge`` in this process on ``BASE+ADAPTER`` experts, timed with its
-peak private memory:
+peak private memory; the three merges below run in turn, ``--repeats`` rounds, and each ratio is the
+median of the rounds' own ratios (a slow spell of the machine falls on every row of its round):
 
 * the adapters merged into dense copies of the base (mergekit does this before any method; the
   plugin's default LoRA cache keeps them), measured once and reported apart;
@@ -70,24 +71,35 @@ def recipe(base: Path, adapters: list[Path], method: str, **parameters) -> str:
     return yaml.safe_dump(body)
 
 
-def timed_merge(text: str, out: Path, repeats: int) -> dict[str, float]:
-    """The median wall time of ``repeats`` merges (each into ``out``), and the peaks over all."""
+def timed_merges(texts: dict[str, str], outs: dict[str, Path], repeats: int) -> dict[str, dict]:
+    """``repeats`` rounds of one merge per recipe, in turn (so a slow spell of the machine falls on
+    every row alike): each row's median wall time, its times per round, and the peaks over its runs."""
     from mergekit_bmm.plugin.run import merge_recipe_text
 
-    reset_peak_rss()
-    sampler = PeakSampler("RssAnon", "VmHWM")
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        merge_recipe_text(text, out)
-        times.append(time.perf_counter() - started)
-    peaks = sampler.stop()
-    return {
-        "seconds": round(statistics.median(times), 2),
-        "runs": [round(t, 2) for t in times],
-        "private_mib": round(peaks["RssAnon"]),
-        "rss_mib": round(peaks["VmHWM"]),
-    }
+    rows: dict[str, dict] = {label: {"runs": [], "private_mib": 0, "rss_mib": 0} for label in texts}
+    for round_index in range(repeats):
+        for label, text in texts.items():
+            reset_peak_rss()
+            sampler = PeakSampler("RssAnon", "VmHWM")
+            started = time.perf_counter()
+            merge_recipe_text(text, outs[label])
+            rows[label]["runs"].append(round(time.perf_counter() - started, 3))
+            peaks = sampler.stop()
+            rows[label]["private_mib"] = max(rows[label]["private_mib"], round(peaks["RssAnon"]))
+            rows[label]["rss_mib"] = max(rows[label]["rss_mib"], round(peaks["VmHWM"]))
+        print(
+            f"round {round_index + 1}/{repeats}: "
+            + ", ".join(f"{label} {row['runs'][-1]} s" for label, row in rows.items()),
+            flush=True,
+        )
+    for row in rows.values():
+        row["seconds"] = round(statistics.median(row["runs"]), 2)
+    return rows
+
+
+def paired_ratio(row: dict, reference: dict) -> float:
+    """The median over rounds of this row's time over the reference's in the same round."""
+    return statistics.median(a / b for a, b in zip(row["runs"], reference["runs"]))
 
 
 def accuracy(base: Path, adapters: list[Path], outputs: dict[str, Path], layers: int) -> dict[str, float]:
@@ -129,36 +141,34 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=3)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("/tmp/mergekit-bmm-lora-bench"))
-    parser.add_argument("--repeats", type=int, default=3, help="merges per row; the median is shown")
+    parser.add_argument("--repeats", type=int, default=7, help="rounds of merges; medians are shown")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     os.environ["MERGEKIT_BMM_CACHE"] = str(args.out / "plugin-cache")
     base, adapters = make_family(args.out / "models", args.hidden, args.layers, args.experts, args.rank)
+    once = "adapters merged into the base (once)"
     runs = {
-        "adapters merged into the base (once)": recipe(base, adapters, "task_arithmetic"),
         "Task Arithmetic": recipe(base, adapters, "task_arithmetic"),
         "bmm, low-rank route": recipe(base, adapters, "bmm"),
         "bmm, full route (low_rank: false)": recipe(base, adapters, "bmm", low_rank=False),
     }
-    rows, outputs = {}, {}
-    for label, text in runs.items():
-        out = args.out / "merged" / label.split(",")[0].split(" (")[0].replace(" ", "-")
-        out = out.with_name(out.name + ("-full" if "full" in label else ""))
-        rows[label] = timed_merge(text, out, 1 if "once" in label else args.repeats)
-        outputs[label] = out
-        print(f"{label}: {rows[label]}", flush=True)
-    errors = accuracy(base, adapters, {k: outputs[k] for k in list(runs)[2:]}, args.layers)
-    reference = rows["Task Arithmetic"]["seconds"]
+    outputs = {label: args.out / "merged" / slug for label, slug in zip(runs, ("ta", "low-rank", "full"))}
+    first = timed_merges({once: runs["Task Arithmetic"]}, {once: args.out / "merged" / "once"}, 1)
+    rows = {once: first[once]}
+    print(f"{once}: {rows[once]}", flush=True)
+    rows.update(timed_merges(runs, outputs, args.repeats))
+    errors = accuracy(base, adapters, {k: outputs[k] for k in list(runs)[1:]}, args.layers)
+    reference = rows["Task Arithmetic"]
     print(
         f"\nLoRA merge: hidden {args.hidden}, {args.layers} layers, {args.experts} adapters of rank "
         f"{args.rank} on every linear module, float32, {torch.get_num_threads()} threads\n"
     )
-    print(f"(median of {args.repeats} merges per row)\n")
+    print(f"(median of {args.repeats} rounds; the ratio is the median of each round's ratio)\n")
     print("| merge | seconds | × Task Arithmetic | peak private MiB | peak RSS MiB | rel. error vs float64 |")
     print("|---|---|---|---|---|---|")
     for label, row in rows.items():
         error = f"{errors[label]:.1e}" if label in errors else "—"
-        ratio = f"{row['seconds'] / reference:.2f}" if "once" not in label else "—"
+        ratio = f"{paired_ratio(row, reference):.2f}" if label != once else "—"
         print(f"| {label} | {row['seconds']} | {ratio} | {row['private_mib']} | {row['rss_mib']} | {error} |")
     (args.out / "rows.json").write_text(json.dumps({"rows": rows, "errors": errors}, indent=2))
 

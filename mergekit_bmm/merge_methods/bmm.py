@@ -62,13 +62,17 @@ REFERENCE_URL = "https://arxiv.org/abs/2605.12843"
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every element is finite: NaN and ±Inf propagate through a max of magnitudes.
+    """Whether every element is finite: NaN and ±Inf propagate through a sum.
 
-    Widened to float32 first (free for float32): on bfloat16 the reduction itself is slow,
-    and isfinite() is slower still (measured 4-6x on a 1536 x 576 weight).
+    A sum is one pass with no temporary (4x faster than a max of magnitudes on a float32 weight,
+    measured); only a non-finite sum, which finite values can reach by overflow, is checked
+    again by the max. Narrower floats are widened first (on bfloat16 the reductions themselves
+    are slow, and isfinite() is slower still: measured 4-6x on a 1536 x 576 weight).
     """
-    widened = tensor if tensor.dtype == torch.float64 else tensor.float()
-    return tensor.numel() == 0 or math.isfinite(float(widened.abs().amax()))
+    if tensor.numel() == 0:
+        return True
+    widened = tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
+    return math.isfinite(float(widened.sum())) or math.isfinite(float(widened.abs().amax()))
 
 
 def check_finite(group: TensorGroup) -> None:

@@ -156,7 +156,7 @@ class AnchorSource:
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             name_seed = zlib.crc32((group.metadata.name or "").encode())
-            torch.manual_seed((name_seed + 1_000_003 * self.seed) % (2**63))
+            _seed_generators((name_seed + 1_000_003 * self.seed) % (2**63), device)
             try:
                 (result,) = method((sub_group,), parameters=forwarded, dtype=dtype)
             except TypeError as error:
@@ -169,6 +169,18 @@ class AnchorSource:
                     ) from None
                 raise
         return result.to(dtype)
+
+
+def _seed_generators(seed: int, device: torch.device) -> None:
+    """Seed the generators a method on ``device`` draws from: the CPU's and that GPU's.
+
+    Same streams as ``torch.manual_seed(seed)``, which also queues a seed for every other backend
+    (CUDA, XPU, MTIA), formatting a stack trace each time: 1.3 ms per tensor on a CPU merge.
+    """
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
 
 
 class StackAnchor:
