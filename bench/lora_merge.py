@@ -1,21 +1,25 @@
 """LoRA experts: bmm's low-rank route against Task Arithmetic over the same adapters, and the full route.
 
-A Llama-shaped base (``--hidden``, default 1024, MLP 2.75×, ``--layers``), float32, and ``--experts``
-PEFT LoRA adapters of ``--rank`` on every linear module (q, k, v, o, gate, up, down), made locally.
-Every merge is mergekit's ``run_merge`` in this process on ``BASE+ADAPTER`` experts, timed with its
-peak private memory; the three merges below run in turn, ``--repeats`` rounds, and each ratio is the
-median of the rounds' own ratios (a slow spell of the machine falls on every row of its round):
+A Llama-shaped base (``--hidden``, default 1024; ``--intermediate``, default 2.75 × hidden;
+``--layers``), float32, and ``--experts`` PEFT LoRA adapters of ``--rank`` on every linear module
+(q, k, v, o, gate, up, down), made locally. Every merge is mergekit's ``run_merge`` in this process on
+``BASE+ADAPTER`` experts, timed with its peak private memory. The rows run in turn, ``--repeats``
+rounds, and each ratio is the median of the rounds' own ratios (a slow spell of the machine falls on
+every row of its round):
 
 * the adapters merged into dense copies of the base (mergekit does this before any method; the
   plugin's default LoRA cache keeps them), measured once and reported apart;
 * Task Arithmetic (weight 0.3) over the adapters;
 * bmm over that Task Arithmetic, data-free, λ 0.1: the low-rank route (the default) and
-  ``low_rank: false`` (the full route);
+  ``low_rank: false`` (the full route; ``--no-full`` skips it);
+* ``mergekit-bmm-lora`` on the bmm recipe: the same merge written as one PEFT adapter;
+* apart, after those (the loaded model would count in their memory): a resident search trial, new λ
+  and s merged in place from the subspace's cached factors (its evaluation not included);
 * accuracy: the low-rank and full routes against a float64 full solve of the adapters' exact updates,
   on the largest weight.
 
     nice -n 5 python bench/lora_merge.py                     # hidden 1024, 4 layers, 3 × rank 16
-    nice -n 5 python bench/lora_merge.py --hidden 2048 --layers 16   # the Llama-3.2-1B shape
+    nice -n 5 python bench/lora_merge.py --hidden 2048 --intermediate 8192 --layers 16 --no-full --repeats 3
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,17 +40,27 @@ import yaml  # noqa: E402
 
 from bench.common import PeakSampler, llama_config, reset_peak_rss  # noqa: E402
 
+ADAPTER_ROW = "mergekit-bmm-lora (the bmm merge as one adapter)"
+TRIAL_ROW = "resident search trial (new λ, s; no evaluation)"
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def make_family(root: Path, hidden: int, layers: int, experts: int, rank: int) -> tuple[Path, list[Path]]:
+def make_family(
+    root: Path, hidden: int, intermediate: int, layers: int, experts: int, rank: int
+) -> tuple[Path, list[Path]]:
     """The base and its adapters, generated once under ``root`` (reused when the spec matches)."""
     import transformers
 
     from mergekit_bmm.examples.tiny_models import build_tokenizer, make_lora_adapter
 
-    spec = {"hidden": hidden, "layers": layers, "experts": experts, "rank": rank, "v": 1}
-    folder = root / "family-{hidden}-{layers}-{experts}-r{rank}".format(**spec)
+    spec = {
+        "hidden": hidden,
+        "intermediate": intermediate,
+        "layers": layers,
+        "experts": experts,
+        "rank": rank,
+    }
+    folder = root / "family-{hidden}-{intermediate}-{layers}-{experts}-r{rank}".format(**spec)
     base, adapters = folder / "base", [folder / f"adapter-{i}" for i in range(experts)]
     marker = folder / "family.json"
     if marker.is_file() and json.loads(marker.read_text()) == spec:
@@ -53,7 +68,7 @@ def make_family(root: Path, hidden: int, layers: int, experts: int, rank: int) -
     print(f"generating the base and {experts} rank-{rank} adapters in {folder} (once) ...", flush=True)
     tokenizer = build_tokenizer()
     heads = max(hidden // 64, 1)
-    config = llama_config(len(tokenizer), hidden, int(2.75 * hidden), layers, heads, max(heads // 4, 1))
+    config = llama_config(len(tokenizer), hidden, intermediate, layers, heads, max(heads // 4, 1))
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(base)
     tokenizer.save_pretrained(base)
@@ -71,18 +86,16 @@ def recipe(base: Path, adapters: list[Path], method: str, **parameters) -> str:
     return yaml.safe_dump(body)
 
 
-def timed_merges(texts: dict[str, str], outs: dict[str, Path], repeats: int) -> dict[str, dict]:
-    """``repeats`` rounds of one merge per recipe, in turn (so a slow spell of the machine falls on
-    every row alike): each row's median wall time, its times per round, and the peaks over its runs."""
-    from mergekit_bmm.plugin.run import merge_recipe_text
-
-    rows: dict[str, dict] = {label: {"runs": [], "private_mib": 0, "rss_mib": 0} for label in texts}
+def timed_runs(jobs: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict]:
+    """``repeats`` rounds of one run per job, in turn (so a slow spell of the machine falls on every
+    row alike): each row's median wall time, its times per round, and the peaks over its runs."""
+    rows: dict[str, dict] = {label: {"runs": [], "private_mib": 0, "rss_mib": 0} for label in jobs}
     for round_index in range(repeats):
-        for label, text in texts.items():
+        for label, job in jobs.items():
             reset_peak_rss()
             sampler = PeakSampler("RssAnon", "VmHWM")
             started = time.perf_counter()
-            merge_recipe_text(text, outs[label])
+            job()
             rows[label]["runs"].append(round(time.perf_counter() - started, 3))
             peaks = sampler.stop()
             rows[label]["private_mib"] = max(rows[label]["private_mib"], round(peaks["RssAnon"]))
@@ -95,6 +108,62 @@ def timed_merges(texts: dict[str, str], outs: dict[str, Path], repeats: int) -> 
     for row in rows.values():
         row["seconds"] = round(statistics.median(row["runs"]), 2)
     return rows
+
+
+def merge_job(text: str, out: Path) -> Callable[[], object]:
+    """A merge through mergekit's ``run_merge`` in this process (with the plugin's record and card)."""
+    from mergekit_bmm.plugin.run import merge_recipe_text
+
+    return lambda: merge_recipe_text(text, out)
+
+
+def adapter_job(text: str, out: Path) -> Callable[[], object]:
+    """``mergekit-bmm-lora RECIPE OUT_PATH`` in this process: the merge written as one PEFT adapter."""
+    from mergekit_bmm.cli.lora import write_adapter
+    from mergekit_bmm.plugin.run import merge_options
+
+    path = out.with_suffix(".yml")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    options = merge_options(None, quiet=True, device="cpu")
+    return lambda: write_adapter(path, out, options, None, force=True)
+
+
+def resident_trial_job(text: str, work: Path) -> Callable[[], object]:
+    """One resident search trial: new λ and s merged in place into a loaded model from the factors
+    of the adapters' subspace (the search's default when the model fits). Loading and the first
+    merge (which fills the factor cache) happen here, once, untimed."""
+    from mergekit_bmm.evaluation.base import ModelLoading
+    from mergekit_bmm.plugin.run import merge_options
+    from mergekit_bmm.search import parse_search_config
+    from mergekit_bmm.search.experiment import prepare_experiment
+    from mergekit_bmm.search.resident import ResidentModel
+
+    config = {
+        "recipe": yaml.safe_load(text),
+        "blocks": 1,
+        "groups": ["attn_in", "attn_out", "mlp_in", "mlp_out"],
+        "lambda_range": [1e-3, 10.0],
+        "scale_range": [0.5, 1.5],
+        # never called here: a trial's merge is timed without its evaluation
+        "evaluator": {"type": "python", "callable": "bench.search_throughput:mean_log_likelihood"},
+    }
+    experiment = prepare_experiment(parse_search_config(config, Path(__file__).parent), work / "cache")
+    # two trials in turn (30 % and 70 % of each range), so every round moves every weight
+    values = [
+        {d.name: d.low + share * (d.high - d.low) for d in experiment.space.dimensions}
+        for share in (0.3, 0.7)
+    ]
+    options = merge_options(None, quiet=True, device="cpu")
+    resident = ResidentModel.load(
+        experiment.recipes.text(values[0]),
+        experiment.base_model,
+        experiment.space,
+        ModelLoading("auto", "float32"),
+        options,
+    )
+    turn = iter(range(1 << 30))
+    return lambda: resident.apply(values[next(turn) % 2])
 
 
 def paired_ratio(row: dict, reference: dict) -> float:
@@ -138,6 +207,8 @@ def main() -> None:
     )
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default 2.75 × hidden)")
+    parser.add_argument("--no-full", action="store_true", help="skip the full route (slow at large shapes)")
     parser.add_argument("--experts", type=int, default=3)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("/tmp/mergekit-bmm-lora-bench"))
@@ -145,30 +216,48 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     os.environ["MERGEKIT_BMM_CACHE"] = str(args.out / "plugin-cache")
-    base, adapters = make_family(args.out / "models", args.hidden, args.layers, args.experts, args.rank)
+    intermediate = args.intermediate or int(2.75 * args.hidden)
+    base, adapters = make_family(
+        args.out / "models", args.hidden, intermediate, args.layers, args.experts, args.rank
+    )
+
+    def keep(label: str) -> bool:
+        return not (args.no_full and "full route" in label)
+
     once = "adapters merged into the base (once)"
+    merged = args.out / "merged"
     runs = {
         "Task Arithmetic": recipe(base, adapters, "task_arithmetic"),
         "bmm, low-rank route": recipe(base, adapters, "bmm"),
         "bmm, full route (low_rank: false)": recipe(base, adapters, "bmm", low_rank=False),
     }
-    outputs = {label: args.out / "merged" / slug for label, slug in zip(runs, ("ta", "low-rank", "full"))}
-    first = timed_merges({once: runs["Task Arithmetic"]}, {once: args.out / "merged" / "once"}, 1)
-    rows = {once: first[once]}
+    outputs = {label: merged / slug for label, slug in zip(runs, ("ta", "low-rank", "full"))}
+    rows = timed_runs({once: merge_job(runs["Task Arithmetic"], merged / "once")}, 1)
     print(f"{once}: {rows[once]}", flush=True)
-    rows.update(timed_merges(runs, outputs, args.repeats))
-    errors = accuracy(base, adapters, {k: outputs[k] for k in list(runs)[1:]}, args.layers)
+    jobs = {label: merge_job(text, outputs[label]) for label, text in runs.items() if keep(label)}
+    jobs[ADAPTER_ROW] = adapter_job(runs["bmm, low-rank route"], merged / "adapter")
+    rows.update(timed_runs(jobs, args.repeats))
+    # apart, after the merges: the resident model stays loaded and would count in their memory
+    print("loading the resident model and filling the factor cache (once) ...", flush=True)
+    rows.update(
+        timed_runs(
+            {TRIAL_ROW: resident_trial_job(runs["bmm, low-rank route"], args.out / "search")}, args.repeats
+        )
+    )
+    errors = accuracy(base, adapters, {k: outputs[k] for k in list(runs)[1:] if keep(k)}, args.layers)
     reference = rows["Task Arithmetic"]
     print(
-        f"\nLoRA merge: hidden {args.hidden}, {args.layers} layers, {args.experts} adapters of rank "
-        f"{args.rank} on every linear module, float32, {torch.get_num_threads()} threads\n"
+        f"\nLoRA merge: hidden {args.hidden}, MLP {intermediate}, {args.layers} layers, {args.experts} "
+        f"adapters of rank {args.rank} on every linear module, float32, {torch.get_num_threads()} threads\n"
     )
     print(f"(median of {args.repeats} rounds; the ratio is the median of each round's ratio)\n")
     print("| merge | seconds | × Task Arithmetic | peak private MiB | peak RSS MiB | rel. error vs float64 |")
     print("|---|---|---|---|---|---|")
     for label, row in rows.items():
         error = f"{errors[label]:.1e}" if label in errors else "—"
-        ratio = f"{paired_ratio(row, reference):.2f}" if label != once else "—"
+        ratio = "—" if label == once else f"{paired_ratio(row, reference):.2f}"
+        if label == TRIAL_ROW:  # timed in its own rounds: medians
+            ratio = f"{row['seconds'] / reference['seconds']:.2f}"
         print(f"| {label} | {row['seconds']} | {ratio} | {row['private_mib']} | {row['rss_mib']} | {error} |")
     (args.out / "rows.json").write_text(json.dumps({"rows": rows, "errors": errors}, indent=2))
 
