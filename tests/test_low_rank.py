@@ -59,6 +59,26 @@ def test_float32_factors_stay_within_1e_5_of_float64():
     assert relative_error(ours, full) < 1e-5
 
 
+def test_small_eigenvalues_of_a_decaying_spectrum_are_solved_not_dropped_in_float32():
+    """Trained adapters' spectra decay: eigenvalues far below a float32 ``d_in × d_in`` floor
+    (λ_max · d_in · eps32) are exact in the k × k float64 eigenproblem and must enter the solve."""
+    g = torch.Generator().manual_seed(5)
+    d_out, d_in = 48, 512
+    updates = []
+    for _ in range(3):
+        left = torch.randn(d_out, 4, generator=g, dtype=F64) * torch.tensor([1.0, 0.3, 3e-3, 1e-3], dtype=F64)
+        updates.append(LowRankUpdate(left, torch.randn(4, d_in, generator=g, dtype=F64) / d_in**0.5))
+    anchor = 0.3 * sum(u.dense() for u in updates)
+    lam = 1e-3
+    full, _ = _full(updates, anchor, lam)
+    factors = low_rank_factors(updates, anchor)
+    float32_floor = closed_form.eigenvalue_floor(float(factors.eigenvalues.max()), d_in, torch.float32)
+    ridge = factors.ridge(lam)
+    assert ridge < float32_floor and int((factors.eigenvalues < float32_floor).sum()) >= 3
+    solved = factors.to(torch.float32)  # the merge's compute dtype
+    assert relative_error(closed_form.solve_from_factors(solved, ridge), full) < 1e-5
+
+
 def test_overlapping_adapters_and_the_evidence_agree_with_the_full_route():
     updates = _updates(3, shared=True)
     anchor = 0.5 * sum(u.dense() for u in updates)

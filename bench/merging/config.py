@@ -280,6 +280,13 @@ class LoraTrackSpec(_Strict):
     )
     peft_weights: list[float] = Field(default=[0.3, 0.5, 1.0], min_length=1)
     peft_densities: list[float] = Field(default=[0.2, 0.5], min_length=1)
+    knots: list[Literal["ties", "dare_ties"]] = Field(
+        default=["ties", "dare_ties"],
+        description="KnOTS variants (SVD-aligned adapters, then TIES or DARE-TIES), each tuned on validation",
+    )
+    knots_top_k: list[float] = Field(
+        default=[0.2, 0.5, 1.0], min_length=1, description="KnOTS-TIES: share of each task's entries kept"
+    )
 
 
 class LanguageSpec(_Strict):

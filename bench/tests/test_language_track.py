@@ -158,8 +158,9 @@ def test_lora_experts_peft_merges_and_their_intervals(mc_task, tiny_llama, tmp_p
     from bench.merging.cache import ScoreCache
     from bench.merging.config import FinetuneSpec, LoraTrackSpec
     from bench.merging.language.lm_eval_runner import test_documents
-    from bench.merging.language.lora_track import Scoring, intervals, train_lora, tuned_peft
+    from bench.merging.language.lora_track import Scoring, intervals, train_lora, tuned_knots, tuned_peft
     from bench.merging.language.mc_tasks import write_lm_eval_yamls
+    from bench.merging.report.language import lora_markdown
 
     monkeypatch.chdir(tmp_path)
     spec = LoraTrackSpec(
@@ -171,6 +172,8 @@ def test_lora_experts_peft_merges_and_their_intervals(mc_task, tiny_llama, tmp_p
         peft_methods=["ties"],
         peft_weights=[0.5],
         peft_densities=[0.5],
+        knots=["ties"],
+        knots_top_k=[1.0],
     )
     adapters = []
     for seed in (0, 1):
@@ -186,3 +189,9 @@ def test_lora_experts_peft_merges_and_their_intervals(mc_task, tiny_llama, tmp_p
     assert len(test_documents(ties["model_id"], [mc_task], scoring.cache, None)["mood_mc"]) == 10
     pairs = intervals({"bmm x": ties["model_id"], "peft ties": ties["model_id"]}, scoring)
     assert pairs == {"bmm x - peft ties": {"delta": 0.0, "low": 0.0, "high": 0.0}}
+    knots = tuned_knots("ties", spec, tiny_llama.base, adapters, scoring, tmp_path)
+    assert knots["top_k"] == 1.0 and knots["model_id"] != ties["model_id"]
+    assert 0 <= knots["scores"]["mood_mc"]["test"] <= 1
+    found = {"rank": 2, "alpha": 4, "targets": ["q_proj"], "indiv": {}, "peft": {"ties": ties}}
+    table = lora_markdown({**found, "knots": {"ties": knots}}, ["mood_mc"], lambda label, scores: label)
+    assert "PEFT ties (weight 0.5, density 0.5)" in table and "KnOTS-TIES (weight 0.5, top-K 1.0)" in table

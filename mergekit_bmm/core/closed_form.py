@@ -139,6 +139,10 @@ class EigenFactors:
     correction_scale: torch.Tensor | None = None
     anchor_scale: torch.Tensor | None = None
     evidence: EvidenceTerms | None = None  # what λ: auto needs (None: the inputs cannot tell)
+    # Eigenvalues at or below it are numerically zero. None: those of a d_in × d_in eigensolve in
+    # the eigenvalues' dtype (eigenvalue_floor). The LoRA subspace route sets it from its own
+    # k × k float64 eigenproblem, whose eigenvalues are exact far below a float32 d_in floor.
+    zero_floor: float | None = None
 
     @property
     def d_in(self) -> int:
@@ -288,16 +292,20 @@ def correction_weights(factors: EigenFactors, ridge: float, folded: bool = True)
     eigenvalues = factors.eigenvalues
     compute = eigenvalues.dtype
     scale = factors.diagonal_max if factors.diagonal_max is not None else float(eigenvalues.max())
+    floor = factors.zero_floor
     if _ridge_dominates(ridge, scale):  # a = (1/λ')/(1 + Λ/λ'): finite for any λ'
         inverse = 1.0 / ridge
         weights = inverse / (1.0 + eigenvalues.clamp_min(0.0) * inverse)
     else:
-        if _ridge_is_regular(ridge, scale, factors.d_in, compute):
+        regular = (
+            ridge > floor if floor is not None else _ridge_is_regular(ridge, scale, factors.d_in, compute)
+        )
+        if regular:
             eigenvalues = eigenvalues.clamp_min(0.0)
             kept = torch.ones_like(eigenvalues, dtype=torch.bool)
         else:
             largest = float(eigenvalues.max()) if eigenvalues.numel() else 0.0
-            tolerance = eigenvalue_floor(largest, factors.d_in, compute)
+            tolerance = floor if floor is not None else eigenvalue_floor(largest, factors.d_in, compute)
             kept = eigenvalues > tolerance
             if factors.rank < factors.d_in or not bool(kept.all()):
                 _note_zero_ridge_limit(ridge, tolerance)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mergekit_bmm.core.closed_form import EigenFactors
+from mergekit_bmm.core.closed_form import EigenFactors, eigenvalue_floor
 from mergekit_bmm.core.evidence import terms_of
 from mergekit_bmm.errors import TensorInputError
 
@@ -111,6 +111,10 @@ def low_rank_factors(
         mean_eigenvalue=trace / d_in,
         diagonal_max=float(eigenvalues.max()) if eigenvalues.numel() else 0.0,
         evidence=evidence,
+        # the numerical zero of this k × k eigenproblem in ``dtype``, not of a d_in × d_in float32 one
+        zero_floor=eigenvalue_floor(
+            float(eigenvalues.max()) if eigenvalues.numel() else 0.0, len(eigenvalues), dtype
+        ),
     )
 
 

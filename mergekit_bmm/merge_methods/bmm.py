@@ -379,7 +379,7 @@ class _Solve:
         if updates == []:
             return self.untouched()
         if updates is not None:
-            key = cache_key.with_route(key, "low_rank")
+            key = cache_key.with_route(key, "low_rank/2")  # 2: entries carry the subspace's zero floor
         factors = cache.load_factors(self.name, key, shape, dtype)
         if factors is not None and settings.lambda_auto and factors.evidence is None:
             factors = None  # an entry from before the evidence was stored: filled again

@@ -9,6 +9,8 @@ validation and scored on test:
 * PEFT's ``add_weighted_adapter`` (linear, cat, ties, dare_ties, svd, magnitude_prune, …), each over a
   grid of one weight for every adapter (and a density where the method takes one), merged into the
   base and saved as a model for lm-eval;
+* KnOTS (:mod:`.knots`, the LoRA-specific peer: the adapters aligned by SVD, then TIES or DARE-TIES),
+  tuned the same way;
 * paired bootstrap intervals over the test documents: BMM against each PEFT method and each anchor.
 """
 
@@ -178,6 +180,10 @@ def run_lora_track(
     for method in spec.peft_methods:
         out["peft"][method] = tuned_peft(method, spec, model_dir, ordered, scoring, cache_dir)
         models[f"peft {method}"] = out["peft"][method]["model_id"]
+    out["knots"] = {}
+    for variant in spec.knots:
+        out["knots"][variant] = tuned_knots(variant, spec, model_dir, ordered, scoring, cache_dir)
+        models[f"knots {variant}"] = out["knots"][variant]["model_id"]
     out["intervals"] = intervals(models, scoring)
     return out
 
@@ -185,30 +191,65 @@ def run_lora_track(
 def tuned_peft(method: str, spec, model_dir: Path, adapters: list[Path], scoring: Scoring, cache_dir: Path):
     """One PEFT combination type tuned on validation over (weight, density); its best on test."""
     densities = spec.peft_densities if method in DENSITY_METHODS else [None]
+    points = [{"weight": w, "density": d} for w in spec.peft_weights for d in densities]
+
+    def make(point: dict, out: Path) -> Path:
+        return peft_merge(model_dir, adapters, method, point["weight"], point["density"], out)
+
+    return tuned(f"peft {method}", {"method": method}, points, make, model_dir, adapters, scoring, cache_dir)
+
+
+def tuned_knots(variant: str, spec, model_dir: Path, adapters: list[Path], scoring: Scoring, cache_dir: Path):
+    """KnOTS (:mod:`.knots`) tuned on validation: ``ties`` over (weight, top-K share), ``dare_ties``
+    over (weight, drop rate) with every entry kept by TIES, as the authors' configurations do."""
+    from bench.merging.language.knots import knots_merge
+
+    if variant == "ties":
+        points = [{"weight": w, "top_k": k, "dare": 0.0} for w in spec.peft_weights for k in spec.knots_top_k]
+    else:
+        points = [
+            {"weight": w, "top_k": 1.0, "dare": 1.0 - d}
+            for w in spec.peft_weights
+            for d in spec.peft_densities
+        ]
+
+    def make(point: dict, out: Path) -> Path:
+        return knots_merge(model_dir, adapters, point["weight"], point["top_k"], point["dare"], out)
+
+    return tuned(
+        f"knots {variant}", {"knots": variant}, points, make, model_dir, adapters, scoring, cache_dir
+    )
+
+
+def tuned(
+    label: str,
+    method: dict[str, Any],
+    points: list[dict[str, Any]],
+    make: Callable[[dict, Path], Path],
+    model_dir: Path,
+    adapters: list[Path],
+    scoring: Scoring,
+    cache_dir: Path,
+) -> dict[str, Any]:
+    """An adapter merge tuned on validation over ``points`` (each merged once by ``make`` and
+    cached); the best point scored on test."""
     work = cache_dir / "language" / "peft-merges"
     validation = [(t, "validation") for t in scoring.tasks]
     fingerprints = [model_folder_fingerprint(a) for a in adapters]
     sweep, best = {}, None
-    for weight in spec.peft_weights:
-        for density in densities:
-            point = {"method": method, "weight": weight, "density": density}
-            key = "peft:" + stable_key({**point, "adapters": fingerprints, "base": str(model_dir)}, 24)
-            folder = peft_merge(model_dir, adapters, method, weight, density, work / key.split(":")[1])
-            scores = scoring.score(key, folder, validation)
-            score = sum(scores.values()) / len(scores)
-            sweep[f"{weight}/{density}"] = round(score, 4)
-            if best is None or score > best[0]:
-                best = (score, key, folder, weight, density)
-    score, key, folder, weight, density = best
+    for point in points:
+        payload = {**method, **point, "adapters": fingerprints, "base": str(model_dir)}
+        key = "peft:" + stable_key(payload, 24)
+        folder = make(point, work / key.split(":")[1])
+        scores = scoring.score(key, folder, validation)
+        score = sum(scores.values()) / len(scores)
+        sweep["/".join(str(v) for v in point.values())] = round(score, 4)
+        if best is None or score > best[0]:
+            best = (score, key, folder, point)
+    score, key, folder, point = best
     scores = scoring.score(key, folder, scoring.every_job)
-    say(f"LoRA peft {method:18s} weight {weight} density {density} validation {score:.4f}")
-    return {
-        "model_id": key,
-        "weight": weight,
-        "density": density,
-        "validation_sweep": sweep,
-        "scores": summarize(scores),
-    }
+    say(f"LoRA {label:22s} {point} validation {score:.4f}")
+    return {"model_id": key, **point, "validation_sweep": sweep, "scores": summarize(scores)}
 
 
 def intervals(models: dict[str, str], scoring: Scoring) -> dict[str, dict[str, float]]:

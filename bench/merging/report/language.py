@@ -64,12 +64,20 @@ def _interval_rows(found: dict[str, dict[str, float]]) -> str:
 
 
 def lora_markdown(lora: dict[str, Any], tasks: list[str], row) -> str:
-    """The LoRA experts' table: mergekit's anchors with BMM over them, and PEFT's adapter merges."""
+    """The LoRA experts' table: mergekit's anchors with BMM over them, PEFT's adapter merges, KnOTS."""
     lines = table_head(["model (LoRA experts)", *tasks, "avg (test)"])
     lines += _anchor_rows(row, lora.get("anchors", {}))
     for method, found in lora.get("peft", {}).items():
         density = f", density {found['density']}" if found.get("density") is not None else ""
         lines.append(row(f"PEFT {method} (weight {found['weight']}{density})", found["scores"]))
+    for variant, found in lora.get("knots", {}).items():
+        setting = f"top-K {found['top_k']}" if variant == "ties" else f"drop {found['dare']:g}"
+        lines.append(
+            row(
+                f"KnOTS-{variant.upper().replace('_', '-')} (weight {found['weight']}, {setting})",
+                found["scores"],
+            )
+        )
     lines.append(row("Indiv. (each LoRA expert on its task)", lora["indiv"]))
     text = (
         f"### LoRA experts (rank {lora['rank']}, α {lora['alpha']}, on {', '.join(lora['targets'])})\n\n"

@@ -146,6 +146,8 @@ def _store(
                 break
     stored = _stored_basis(cache, eigen, chosen["basis"], compute)
     scalars = {"mean_eigenvalue": exact.mean_eigenvalue, "diagonal_max": exact.diagonal_max}
+    if exact.zero_floor is not None:
+        scalars["zero_floor"] = exact.zero_floor
     correction, anchor = exact.correction, exact.anchor
     return cache.store_factors(
         name, key, stored, correction, anchor, chosen, scalars, compute, exact.evidence

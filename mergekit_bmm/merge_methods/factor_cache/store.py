@@ -58,6 +58,7 @@ CACHE_FORMAT = "mergekit-bmm-factors/2"
 BASIS_DIR = "bases"
 SCALARS = ("mean_eigenvalue", "diagonal_max")
 EVIDENCE_SCALARS = ("energy", "observations")  # with the tensor COLUMN_ENERGY: what λ auto needs
+OPTIONAL_SCALARS = ("zero_floor",)  # EigenFactors.zero_floor, where the producer set one
 COLUMN_ENERGY = "column_energy"
 SCALE_SUFFIX = ".scale"
 ANCHOR = "anchor"
@@ -148,6 +149,7 @@ def _factors(
         anchor=anchor,
         mean_eigenvalue=scalars["mean_eigenvalue"],
         diagonal_max=scalars["diagonal_max"],
+        zero_floor=scalars.get("zero_floor"),
         basis_scale=basis.scale,
         correction_scale=correction_scale,
         anchor_scale=anchor_scale,
@@ -207,7 +209,8 @@ class FactorCache:
         tensors, metadata = read
         try:
             scalars = {name: float(metadata[name]) for name in SCALARS}
-            scalars.update({name: float(metadata[name]) for name in EVIDENCE_SCALARS if name in metadata})
+            optional = EVIDENCE_SCALARS + OPTIONAL_SCALARS
+            scalars.update({name: float(metadata[name]) for name in optional if name in metadata})
             basis_id, precision = metadata["basis"], _DTYPES[metadata["basis_precision"]]
         except (KeyError, ValueError):
             return self._reject(path, "its metadata is incomplete")
