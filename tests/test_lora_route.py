@@ -153,3 +153,37 @@ def test_an_adapter_with_nan_is_one_line_naming_it(lora_family, tmp_path):
     save_file(tensors, str(broken / "adapter_model.safetensors"))
     with pytest.raises(Exception, match=r"LoRA factors of .*q_proj.* in adapter .*broken contain NaN"):
         merge_recipe_text(_recipe(base, [broken, *adapters[1:]]), tmp_path / "out")
+
+
+def test_adapters_with_a_decaying_spectrum_keep_their_small_directions(lora_family, tmp_path):
+    """Trained adapters' spectra decay: at a small λ the ridge and their weakest directions sit below
+    the float32 floor of a d_in × d_in eigensolve, yet are exact in the subspace's k × k float64
+    one; direct and cached merges both solve them (before, they kept the anchor)."""
+    from safetensors.torch import save_file
+
+    base, originals = lora_family
+    adapters = []
+    for index, original in enumerate(originals):
+        adapter = tmp_path / f"decaying-{index}"
+        adapter.mkdir()
+        (adapter / "adapter_config.json").write_text((original / "adapter_config.json").read_text())
+        tensors = load_file(str(original / "adapter_model.safetensors"))
+        for key, value in tensors.items():
+            if "lora_B" in key:  # columns of B scaled down: singular values 1 … 1e-3 of the largest
+                tensors[key] = 4 * value * torch.logspace(0, -3, value.shape[1])
+        save_file(tensors, str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
+        adapters.append(adapter)
+    for label, extra in {"direct": {}, "cached": {"cache": str(tmp_path / "factors")}}.items():
+        merge_recipe_text(_recipe(base, adapters, **{"lambda": 1e-5, **extra}), tmp_path / label)
+    pre, dense = load_weights(base), _dense_copies(tmp_path)
+    for name in (
+        f"model.layers.{layer}.{module}.weight"
+        for layer in (0, 1)
+        for module in ("self_attn.q_proj", "mlp.down_proj")
+    ):
+        vectors = _exact_updates(adapters, name.removesuffix(".weight"))
+        anchor = 0.3 * sum(d[name].double() - pre[name].double() for d in dense)
+        expected = closed_form.merge_matrix(normal_equations.data_free_equations(vectors, F64), anchor, 1e-5)
+        for label in ("direct", "cached"):
+            found = load_weights(tmp_path / label)[name].double() - pre[name].double()
+            assert relative_error(found, expected) < 1e-5, (label, name)
