@@ -195,3 +195,20 @@ def test_lora_experts_peft_merges_and_their_intervals(mc_task, tiny_llama, tmp_p
     found = {"rank": 2, "alpha": 4, "targets": ["q_proj"], "indiv": {}, "peft": {"ties": ties}}
     table = lora_markdown({**found, "knots": {"ties": knots}}, ["mood_mc"], lambda label, scores: label)
     assert "PEFT ties (weight 0.5, density 0.5)" in table and "KnOTS-TIES (weight 0.5, top-K 1.0)" in table
+
+
+def test_the_lora_picture_draws_each_bmm_against_every_other_merge(tmp_path):
+    from bench.merging.report.plots import plot_lora_intervals
+
+    def interval(delta):
+        return {"delta": delta, "low": delta - 0.02, "high": delta + 0.02}
+
+    peers = ["task_arithmetic", "peft linear", "peft ties", "knots ties"]
+    found = {}
+    for anchor in ("task_arithmetic", "ties"):
+        for kind in ("over", "defaults over", "auto over"):
+            for index, peer in enumerate(peers):
+                found[f"bmm {kind} {anchor} - {peer}"] = interval(0.01 * index)
+    path = plot_lora_intervals({"rank": 16, "intervals": found}, tmp_path / "lora.png")
+    assert path is not None and path.stat().st_size > 10_000
+    assert plot_lora_intervals({"rank": 16, "intervals": {}}, tmp_path / "none.png") is None

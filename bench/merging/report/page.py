@@ -14,6 +14,7 @@ from bench.merging.report.plots import (
     plot_deltas,
     plot_evidence_lambdas,
     plot_expert_curves,
+    plot_lora_intervals,
 )
 from bench.merging.report.rows import dynamic_range
 from bench.merging.report.tables import (
@@ -105,6 +106,9 @@ def write(results: dict[str, Any], folder: Path) -> None:
             language_markdown(results["language"]),
             "",
         ]
+        lora = results["language"].get("lora") or {}
+        if plot_lora_intervals(lora, folder / "lora.png"):
+            text += ["![LoRA experts: BMM against each merge of the adapters](lora.png)", ""]
     if results.get("stage_seconds"):
         text += ["## Runtime per stage", "", stage_seconds_markdown(results), ""]
     text += ["## Sizes and timings", "", timings_markdown(results), ""]

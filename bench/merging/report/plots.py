@@ -1,4 +1,5 @@
-"""The report's pictures: per-task bars, one panel per anchor, the experts' held-out curves."""
+"""The report's pictures: per-task bars, one panel per anchor, the experts' held-out curves, the
+LoRA track's paired differences."""
 
 from __future__ import annotations
 
@@ -220,6 +221,41 @@ def plot_evidence_lambdas(results: dict[str, Any], path: Path) -> Path | None:
         ax.set_title(f"{mode.replace('_', '-')}: λ from the evidence (dots, median bar) vs searched (×)")
         ax.legend(fontsize=7, ncol=2)
     fig.suptitle(f"{results['name']}: the evidence's λ per weight against the search's", fontsize=10)
+    return _save(fig, path, dpi=110)
+
+
+def plot_lora_intervals(lora: dict[str, Any], path: Path) -> Path | None:
+    """The LoRA track at a glance: BMM over each mergekit anchor (searched: filled; at its defaults:
+    ○; at ``lambda: auto``: △) against every other merge of the same adapters, paired test Δ with
+    95 % intervals for the searched one."""
+    found = lora.get("intervals") or {}
+    anchors = [name.removeprefix("bmm over ") for name in {k.split(" - ")[0] for k in found}]
+    anchors = sorted(a for a in anchors if not a.startswith("bmm "))
+    if not anchors:
+        return None
+    peers = list(dict.fromkeys(k.split(" - ")[1] for k in found))
+    plt = _pyplot()
+    fig, axes = plt.subplots(
+        1, len(anchors), figsize=(4.2 * len(anchors), 0.35 * len(peers) + 1.6), squeeze=False, sharey=True
+    )
+    for ax, anchor in zip(axes.flat, anchors):
+        for y, peer in enumerate(reversed(peers)):
+            searched = found.get(f"bmm over {anchor} - {peer}")
+            if searched:
+                figure = (searched["delta"], searched["low"], searched["high"])
+                above = searched["low"] > 0
+                _whisker(ax, y, figure, fmt="o", color="#2ca02c" if above else "#1f77b4")
+            for kind, marker in (("defaults", "o"), ("auto", "^")):
+                one = found.get(f"bmm {kind} over {anchor} - {peer}")
+                if one:
+                    ax.plot(100 * one["delta"], y, marker=marker, mfc="white", color="#7f7f7f", linestyle="")
+        ax.set_yticks(range(len(peers)), list(reversed(peers)), fontsize=7)
+        ax.axvline(0, color="grey", linewidth=0.8)
+        ax.set_title(f"BMM over {anchor}", fontsize=9)
+        ax.set_xlabel("test Δ (points) against the row\n(green: interval above zero)", fontsize=8)
+    fig.suptitle(
+        f"LoRA experts (rank {lora.get('rank')}): BMM against each merge of the adapters", fontsize=10
+    )
     return _save(fig, path, dpi=110)
 
 
