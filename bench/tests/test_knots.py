@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.merging.language.knots import align, knots_merge, knots_updates, ties_masked_mean
+from bench.merging.language.knots import align, knots_model, knots_updates, ties_masked_mean
 
 
 def factors(seed: int, d_out: int = 12, d_in: int = 9, rank: int = 2):
@@ -63,7 +63,10 @@ def test_one_adapter_merged_by_knots_is_that_adapter_added_to_the_base(tmp_path)
     name = "model.layers.0.self_attn.q_proj"
     left, right = read[0].update(f"{name}.weight")
     assert torch.allclose(alone[name], left @ right, atol=1e-10)
-    out = knots_merge(family.base, adapters, 0.5, 1.0, 0.0, tmp_path / "merged")
+    from bench.merging.language.lora_track import saved_model
+
+    build = lambda: knots_model(family.base, adapters, 0.5, 1.0, 0.0)  # noqa: E731
+    out = saved_model(tmp_path / "merged", family.base, build)
     base, merged = (
         load_file(str(family.base / "model.safetensors")),
         load_file(str(out / "model.safetensors")),

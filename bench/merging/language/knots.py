@@ -16,7 +16,6 @@ with ``[B_1 … B_T] = Q R`` the SVD of the ``k × T·d_in`` matrix ``R·blockdi
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,13 +95,9 @@ def knots_updates(
     return out
 
 
-def knots_merge(
-    model_dir: Path, adapters: list[Path], weight: float, top_k: float, dare: float, out: Path
-) -> Path:
-    """The KnOTS merge of ``adapters`` added to the base and saved as a model (once)."""
-    if (out / "config.json").is_file():
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def knots_model(model_dir: Path, adapters: list[Path], weight: float, top_k: float, dare: float):
+    """The base with the KnOTS merge of ``adapters`` added (in memory, float32)."""
+    from transformers import AutoModelForCausalLM
 
     read = [adapter_for(path) for path in adapters]
     if any(adapter is None for adapter in read):
@@ -113,10 +108,4 @@ def knots_merge(
         for module, delta in updates.items():
             target = model.get_submodule(module).weight
             target.copy_((target.double() + delta).to(target.dtype))
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(str(partial))
-    AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(partial))
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
-    return out
+    return model

@@ -92,30 +92,42 @@ def build_lora_expert(task: MCTask, model_dir: Path, model_fp: str, config: RunC
     return stage.path, record, cached
 
 
-def peft_merge(
-    model_dir: Path, adapters: list[Path], method: str, weight: float, density: float | None, out: Path
-):
-    """PEFT's ``add_weighted_adapter`` over the adapters, merged into the base and saved (once)."""
+def saved_model(out: Path, model_dir: Path, build: Callable[[], Any]) -> Path:
+    """The model ``build()`` returns, saved with the base's tokenizer into ``out`` for lm-eval (once:
+    written in a ``.partial`` sibling and renamed into place)."""
     if (out / "config.json").is_file():
         return out
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    names = [f"expert{i}" for i in range(len(adapters))]
-    model = PeftModel.from_pretrained(model, str(adapters[0]), adapter_name=names[0])
-    for name, adapter in zip(names[1:], adapters[1:]):
-        model.load_adapter(str(adapter), adapter_name=name)
-    extra = {"density": density} if density is not None else {}
-    model.add_weighted_adapter(names, [weight] * len(names), "merged", combination_type=method, **extra)
-    model.set_adapter("merged")
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    model.merge_and_unload(adapter_names=["merged"]).save_pretrained(str(partial))
+    build().save_pretrained(str(partial))
     AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(partial))
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
     return out
+
+
+def peft_merge(
+    model_dir: Path, adapters: list[Path], method: str, weight: float, density: float | None, out: Path
+):
+    """PEFT's ``add_weighted_adapter`` over the adapters, merged into the base and saved (once)."""
+
+    def build():
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        names = [f"expert{i}" for i in range(len(adapters))]
+        model = PeftModel.from_pretrained(model, str(adapters[0]), adapter_name=names[0])
+        for name, adapter in zip(names[1:], adapters[1:]):
+            model.load_adapter(str(adapter), adapter_name=name)
+        extra = {"density": density} if density is not None else {}
+        model.add_weighted_adapter(names, [weight] * len(names), "merged", combination_type=method, **extra)
+        model.set_adapter("merged")
+        return model.merge_and_unload(adapter_names=["merged"])
+
+    return saved_model(out, model_dir, build)
 
 
 @dataclass(frozen=True)
@@ -202,7 +214,7 @@ def tuned_peft(method: str, spec, model_dir: Path, adapters: list[Path], scoring
 def tuned_knots(variant: str, spec, model_dir: Path, adapters: list[Path], scoring: Scoring, cache_dir: Path):
     """KnOTS (:mod:`.knots`) tuned on validation: ``ties`` over (weight, top-K share), ``dare_ties``
     over (weight, drop rate) with every entry kept by TIES, as the authors' configurations do."""
-    from bench.merging.language.knots import knots_merge
+    from bench.merging.language.knots import knots_model
 
     if variant == "ties":
         points = [{"weight": w, "top_k": k, "dare": 0.0} for w in spec.peft_weights for k in spec.knots_top_k]
@@ -214,7 +226,8 @@ def tuned_knots(variant: str, spec, model_dir: Path, adapters: list[Path], scori
         ]
 
     def make(point: dict, out: Path) -> Path:
-        return knots_merge(model_dir, adapters, point["weight"], point["top_k"], point["dare"], out)
+        settings = (point["weight"], point["top_k"], point["dare"])
+        return saved_model(out, model_dir, lambda: knots_model(model_dir, adapters, *settings))
 
     return tuned(
         f"knots {variant}", {"knots": variant}, points, make, model_dir, adapters, scoring, cache_dir
