@@ -90,6 +90,22 @@ def test_truncation_and_an_anchor_outside_the_span_are_best_fits_with_their_erro
     assert "best fit" in result.output
 
 
+def test_the_reported_error_is_the_written_factors_residual():
+    """Exact through the span, and truncated by SVD: each error equals ‖ΔW − B A‖ / ‖ΔW‖ (float64)."""
+    from mergekit_bmm.adapters.export import factors_of
+
+    generator = torch.Generator().manual_seed(0)
+    rights = torch.randn(6, 40, generator=generator, dtype=torch.float64)
+    basis, _ = torch.linalg.qr(rights.T)
+    inside = torch.randn(30, 6, generator=generator, dtype=torch.float64) @ rights
+    outside = inside + 1e-2 * torch.randn(30, 40, generator=generator, dtype=torch.float64)
+    for delta, rank, exact in ((inside, None, True), (inside, 3, False), (outside, None, False)):
+        left, right, error, was_exact = factors_of(delta, basis, rank)
+        residual = float((delta - left @ right).norm() / delta.norm())
+        assert was_exact is exact and right.shape[0] == (rank or 6)
+        assert abs(error - residual) <= 1e-12 + 1e-9 * residual, (rank, error, residual)
+
+
 def test_a_dense_expert_is_one_line(lora_family, tmp_path):
     base, adapters, dense = lora_family
     recipe = _recipe(tmp_path, base, [f"{base}+{adapters[0]}", str(dense)])
