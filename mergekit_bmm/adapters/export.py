@@ -87,7 +87,7 @@ def factors_of(
     """``(B, A, error, exact)`` with ``B A ≈ ΔW`` (float64) and ``error = ‖ΔW − B A‖ / ‖ΔW‖``: exact
     through the span when it holds ``ΔW`` and no smaller ``rank`` is asked, else the truncated SVD of
     ``ΔW`` (the best fit of that rank, its error from the dropped singular values). One residual
-    product per module: at the 1B shape a second one cost a quarter of the export."""
+    product per module: a second one was nearly half the fit's time (docs/performance.md)."""
     size = max(float(delta.norm()), 1e-300)
     left = delta @ basis
     outside = float((delta - left @ basis.T).norm()) / size
