@@ -59,12 +59,6 @@ def _exact_updates(adapters, module: str) -> list[torch.Tensor]:
     return updates
 
 
-def _dense_copies(tmp_path) -> list[dict[str, torch.Tensor]]:
-    """The adapters merged into the base as mergekit merged them (what the anchor was built from)."""
-    folders = sorted((tmp_path / "plugin-cache" / "lora-merges").glob("*/*"))
-    return [load_weights(folder) for folder in folders]
-
-
 @pytest.mark.parametrize(("compute", "tolerance"), [("float32", 1e-5), ("float64", 1e-6)])
 def test_each_lora_weight_is_the_float64_closed_form_of_the_exact_updates(
     lora_family, tmp_path, compute, tolerance
@@ -73,13 +67,11 @@ def test_each_lora_weight_is_the_float64_closed_form_of_the_exact_updates(
     out = tmp_path / "merged"
     merge_recipe_text(_recipe(base, adapters, compute_dtype=compute), out)
     merged, pre = load_weights(out), load_weights(base)
-    dense = _dense_copies(tmp_path)
-    assert len(dense) == 3
     solved = [n for n in pre if n.endswith(".weight") and any(t in n for t in TARGETS)]
     assert len(solved) == 2 * 3
     for name in solved:
         vectors = _exact_updates(adapters, name.removesuffix(".weight"))
-        anchor = 0.3 * sum(d[name].double() - pre[name].double() for d in dense)
+        anchor = 0.3 * sum(vectors)  # Task Arithmetic of the adapters themselves, not of their rounded copies
         equations = normal_equations.data_free_equations(vectors, F64)
         expected = closed_form.merge_matrix(equations, anchor, 0.05)
         assert relative_error(merged[name].double() - pre[name].double(), expected) < tolerance, name
@@ -88,6 +80,23 @@ def test_each_lora_weight_is_the_float64_closed_form_of_the_exact_updates(
     record = read_record(out)
     assert "model.layers.0.self_attn.o_proj.weight" in record.kept_at_anchor["no_experts"]
     assert record.low_rank == dict.fromkeys(solved, 2 + 3 + 4)  # the route taken: a rank-9 subspace
+
+
+def test_a_task_arithmetic_anchor_keeps_mergekit_s_weights_normalize_and_lambda(lora_family, tmp_path):
+    """The anchor formed from the factors is mergekit's Task Arithmetic of the adapters: per-model
+    weights, ``normalize`` and ``lambda`` as mergekit reads them."""
+    base, adapters = lora_family
+    weights = (0.2, 0.5, 0.9)
+    recipe = yaml.safe_load(_recipe(base, adapters, normalize=True, **{"anchor_lambda": 0.5}))
+    for model, weight in zip(recipe["models"], weights):
+        model["parameters"]["weight"] = weight
+    merge_recipe_text(yaml.safe_dump(recipe), tmp_path / "merged")
+    merged, pre = load_weights(tmp_path / "merged"), load_weights(base)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        vectors = _exact_updates(adapters, name.removesuffix(".weight"))
+        anchor = 0.5 * sum(w * v for w, v in zip(weights, vectors)) / sum(weights)
+        expected = closed_form.merge_matrix(normal_equations.data_free_equations(vectors, F64), anchor, 0.05)
+        assert relative_error(merged[name].double() - pre[name].double(), expected) < 1e-5, name
 
 
 def test_the_full_route_the_cache_and_lambda_auto_agree_with_it(lora_family, tmp_path):
@@ -175,15 +184,16 @@ def test_adapters_with_a_decaying_spectrum_keep_their_small_directions(lora_fami
         adapters.append(adapter)
     for label, extra in {"direct": {}, "cached": {"cache": str(tmp_path / "factors")}}.items():
         merge_recipe_text(_recipe(base, adapters, **{"lambda": 1e-5, **extra}), tmp_path / label)
-    pre, dense = load_weights(base), _dense_copies(tmp_path)
+    pre = load_weights(base)
     for name in (
         f"model.layers.{layer}.{module}.weight"
         for layer in (0, 1)
         for module in ("self_attn.q_proj", "mlp.down_proj")
     ):
         vectors = _exact_updates(adapters, name.removesuffix(".weight"))
-        anchor = 0.3 * sum(d[name].double() - pre[name].double() for d in dense)
-        expected = closed_form.merge_matrix(normal_equations.data_free_equations(vectors, F64), anchor, 1e-5)
+        expected = closed_form.merge_matrix(
+            normal_equations.data_free_equations(vectors, F64), 0.3 * sum(vectors), 1e-5
+        )
         for label in ("direct", "cached"):
             found = load_weights(tmp_path / label)[name].double() - pre[name].double()
             assert relative_error(found, expected) < 1e-5, (label, name)

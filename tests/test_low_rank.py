@@ -8,7 +8,7 @@ import torch
 from conftest import relative_error
 
 from mergekit_bmm.core import closed_form, evidence, normal_equations
-from mergekit_bmm.core.low_rank import LowRankUpdate, low_rank_factors
+from mergekit_bmm.core.low_rank import LowRankUpdate, SpanAnchor, low_rank_factors
 
 F64 = torch.float64
 
@@ -48,6 +48,38 @@ def test_the_subspace_solve_equals_the_full_solve(lam, anchor_kind):
     assert ridge == pytest.approx(closed_form.effective_ridge(lam, equations), rel=1e-12)
     ours = closed_form.solve_from_factors(factors, ridge)
     assert relative_error(ours, full) < 1e-9
+
+
+@pytest.mark.parametrize("coefficients", [(0.4, 0.4, 0.4), (0.5, -0.2, 1.3), (0.0, 0.0, 0.0)])
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_anchor_in_the_span_is_never_formed_and_gives_the_same_solve(coefficients, shared):
+    """Task Arithmetic of the adapters (or the base, all 0) held as coordinates in the basis: the
+    weight is one product, the solve and the evidence those of the dense anchor."""
+    updates = [
+        LowRankUpdate(u.left, u.right, expert=index) for index, u in enumerate(_updates(4, shared=shared))
+    ]
+    dense = sum(c * u.dense() for c, u in zip(coefficients, updates))
+    span = low_rank_factors(updates, SpanAnchor(coefficients, (24, 40)))
+    assert span.anchor is None and span.anchor_in_basis.shape == (24, span.rank)
+    for lam in (1e-4, 0.1, 100.0):
+        full, _ = _full(updates, dense, lam)
+        assert relative_error(closed_form.solve_from_factors(span, span.ridge(lam)), full) < 1e-9
+    reference = low_rank_factors(updates, dense)
+    assert span.evidence.energy == pytest.approx(reference.evidence.energy, rel=1e-9, abs=1e-12)
+    if any(coefficients):
+        assert relative_error(span.with_dense_anchor().anchor, dense) < 1e-12
+    base = torch.randn(24, 40, dtype=F64)
+    weight = closed_form.weight_from_factors(span, base, span.ridge(0.1), 0.7)
+    assert relative_error(weight, base + 0.7 * _full(updates, dense, 0.1)[0]) < 1e-12
+
+
+def test_an_expert_whose_adapter_skips_the_weight_keeps_its_coefficient_out():
+    """Coefficients are per expert of the merge: expert 1's adapter does not touch this weight."""
+    first, _, third = _updates(5)
+    updates = [LowRankUpdate(first.left, first.right, 0), LowRankUpdate(third.left, third.right, 2)]
+    factors = low_rank_factors(updates, SpanAnchor((0.2, 9.0, 0.6), (24, 40)), experts=3)
+    full, _ = _full(updates, 0.2 * first.dense() + 0.6 * third.dense(), 0.1)
+    assert relative_error(closed_form.solve_from_factors(factors, factors.ridge(0.1)), full) < 1e-9
 
 
 def test_float32_factors_stay_within_1e_5_of_float64():

@@ -31,7 +31,7 @@ scaled form ``U (G/λ' + I) = C/λ' + U0``, equal in exact arithmetic and finite
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 import torch
@@ -132,7 +132,7 @@ class EigenFactors:
     basis: torch.Tensor
     eigenvalues: torch.Tensor
     correction: torch.Tensor
-    anchor: torch.Tensor
+    anchor: torch.Tensor | None  # None: the anchor lies in the basis' span (``anchor_in_basis``)
     mean_eigenvalue: float
     diagonal_max: float | None = None
     basis_scale: torch.Tensor | None = None
@@ -143,6 +143,10 @@ class EigenFactors:
     # the eigenvalues' dtype (eigenvalue_floor). The LoRA subspace route sets it from its own
     # k × k float64 eigenproblem, whose eigenvalues are exact far below a float32 d_in floor.
     zero_floor: float | None = None
+    # ``U0 = anchor_in_basis @ basisᵀ`` (``d_out × rank``), set instead of ``anchor`` when the anchor
+    # lies in the span (the LoRA route's Task Arithmetic or base anchor): ``U`` is then one product.
+    # Only on factors held in memory, whose basis carries no column scales.
+    anchor_in_basis: torch.Tensor | None = None
 
     @property
     def d_in(self) -> int:
@@ -158,9 +162,16 @@ class EigenFactors:
         moved = {
             field.name: value.to(device) if isinstance(value, torch.Tensor) else value  # evidence stays
             for field in fields(self)
-            if (value := getattr(self, field.name)) is not None
+            if (value := getattr(self, field.name)) is not None or field.name == "anchor"
         }
         return EigenFactors(**moved)
+
+    def with_dense_anchor(self) -> EigenFactors:
+        """The same factors with ``U0`` as a dense matrix (what the factor cache stores)."""
+        if self.anchor_in_basis is None:
+            return self
+        anchor = self.anchor_in_basis @ self.basis.to(self.anchor_in_basis.dtype).T
+        return replace(self, anchor=anchor, anchor_in_basis=None)
 
     def decoded(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """``basis``, ``correction`` or ``anchor`` itself in ``dtype`` (column scales applied)."""
@@ -330,10 +341,20 @@ def _anchor_plus(factors: EigenFactors, start: torch.Tensor | None, scale: float
     return anchor if start is None else anchor.add_(start)  # a fresh tensor: start is never written
 
 
+def _weighted(factors: EigenFactors, ridge: float) -> torch.Tensor:
+    """``E Q·a``, plus the anchor's coordinates when it lies in the basis' span."""
+    weighted = torch.mul(factors.correction, correction_weights(factors, ridge))
+    if factors.anchor_in_basis is not None:
+        weighted += factors.anchor_in_basis.to(weighted.dtype)
+    return weighted
+
+
 def solve_from_factors(factors: EigenFactors, ridge: float) -> torch.Tensor:
     """``U(λ')`` from eigen factors (exact, including λ' = 0 on singular ``G``)."""
-    weighted = torch.mul(factors.correction, correction_weights(factors, ridge))
+    weighted = _weighted(factors, ridge)
     basis = factors.basis.to(weighted.dtype)
+    if factors.anchor is None:
+        return weighted @ basis.T
     return torch.addmm(_anchor_plus(factors, None, 1.0, False), weighted, basis.T)
 
 
@@ -347,9 +368,12 @@ def weight_from_factors(
     base to a float32 product in one mixed-dtype pass measured slower than widening the
     base and rounding the result.)
     """
-    weighted = torch.mul(factors.correction, correction_weights(factors, ridge))
+    weighted = _weighted(factors, ridge)
     basis = factors.basis.to(weighted.dtype)
-    start = _anchor_plus(factors, base, scale, transposed)
+    if factors.anchor is None:
+        start = base.to(weighted.dtype)
+    else:
+        start = _anchor_plus(factors, base, scale, transposed)
     left, right = (basis, weighted.T) if transposed else (weighted, basis.T)
     # One memory layout whatever produced the factors (filled in memory or read from the cache):
     # BLAS picks its kernel, and so the rounding, by the operands' strides.

@@ -13,8 +13,11 @@ so ``G`` lives in ``span(Q)`` and the closed form is exactly
 
 for *any* anchor ``U0`` (low-rank or not) — the thin-basis eigen factors of
 :class:`~mergekit_bmm.core.closed_form.EigenFactors` with basis ``Q V`` (``H = V Λ Vᵀ``). Forming them
-costs ``O(d_out · d_in · k)`` (``U0 Q``) and ``O(d_in · k²)`` (the QR), never a ``d_in × d_in`` matrix:
-on one 2048 × 4096 weight with three rank-4 adapters the full float32 route spent 8.7 s forming
+costs ``O(d_out · d_in · k)`` (``U0 Q``) and ``O(d_in · k²)`` (the QR), never a ``d_in × d_in`` matrix.
+An anchor inside the span, ``U0 = Σ c_t U_t`` (:class:`SpanAnchor`: Task Arithmetic of the adapters,
+or the base with ``c = 0``), is never formed at all: ``U0 Q = Σ c_t B_t (A_t Q)`` is ``k``-sized and
+``U`` itself is ``(U0 Q V + E Q V·a)(Q V)ᵀ``, one ``d_out × k × d_in`` product for the whole weight.
+On one 2048 × 4096 weight with three rank-4 adapters the full float32 route spent 8.7 s forming
 ``G`` and ``C`` alone (docs/numerics.md). The eigenproblem is ``k × k`` and well conditioned where
 ``G + λ'I`` is not: ``G``'s ``d_in − k`` zero eigenvalues never enter.
 """
@@ -37,6 +40,7 @@ class LowRankUpdate:
 
     left: torch.Tensor
     right: torch.Tensor
+    expert: int = 0  # which of the merge's experts it belongs to (an anchor's coefficients are per expert)
 
     @property
     def rank(self) -> int:
@@ -46,7 +50,22 @@ class LowRankUpdate:
         return self.left.to(dtype) @ self.right.to(dtype)
 
 
-def _check(updates: Sequence[LowRankUpdate], anchor: torch.Tensor) -> None:
+@dataclass(frozen=True)
+class SpanAnchor:
+    """An anchor inside the experts' span: ``U0 = Σ_t coefficients[t] · U_t`` over the merge's
+    experts (``LowRankUpdate.expert`` indexes them), ``shape`` the weight's ``(d_out, d_in)``.
+
+    Task Arithmetic of the adapters is one (its coefficients read from mergekit's own method,
+    :meth:`~mergekit_bmm.merge_methods.bmm_anchor.AnchorSource.span_coefficients`), the base another
+    (all 0). Built from the factors it is exact, where Task Arithmetic of the dense copies carries their
+    rounding to the storage dtype (large in bfloat16: the update is a small fraction of the weight).
+    """
+
+    coefficients: tuple[float, ...]
+    shape: tuple[int, int]
+
+
+def _check(updates: Sequence[LowRankUpdate], anchor: torch.Tensor | SpanAnchor) -> None:
     if not updates:
         raise TensorInputError("the low-rank closed form needs at least one expert")
     d_out, d_in = anchor.shape
@@ -61,7 +80,7 @@ def _check(updates: Sequence[LowRankUpdate], anchor: torch.Tensor) -> None:
 
 def low_rank_factors(
     updates: Sequence[LowRankUpdate],
-    anchor: torch.Tensor,
+    anchor: torch.Tensor | SpanAnchor,
     weights: Sequence[float] | None = None,
     dtype: torch.dtype = torch.float64,
     experts: int | None = None,
@@ -70,9 +89,12 @@ def low_rank_factors(
     ``dtype``, with the evidence's terms (:mod:`mergekit_bmm.core.evidence`); data-free Grams,
     ``weights`` the tasks' balance weights (default 1). ``experts``: how many experts the merge has
     (an expert whose adapter leaves this weight alone has no update here but still observed it);
-    no update at all gives the anchor (a rank-0 basis)."""
+    no update at all gives the anchor (a rank-0 basis). A :class:`SpanAnchor` gives factors whose
+    anchor is held in the basis (``EigenFactors.anchor_in_basis``), never as a dense matrix."""
     d_out, d_in = anchor.shape
     if not updates:
+        if isinstance(anchor, SpanAnchor):  # every coefficient multiplies a missing update: U0 = 0
+            raise TensorInputError("a span anchor needs at least one expert's update; give the dense anchor")
         return _anchor_only(anchor, experts or 0)
     _check(updates, anchor)
     weights = list(weights) if weights is not None else [1.0] * len(updates)
@@ -87,9 +109,13 @@ def low_rank_factors(
     # C Q = Σ w_t B_t (A_t A_tᵀ)(B_tᵀ B_t) (A_t Q): every factor k-sized
     right_in_q = [a @ q for a in rights]  # A_t Q, r_t × k
     cross_q = sum(b @ ((a @ a.T) @ block) @ aq for b, a, block, aq in zip(lefts, rights, blocks, right_in_q))
-    # U0 Q, the one d_out × d_in × k product, in the anchor's own dtype (the merge's compute dtype):
-    # a float32 product is exact to its rounding, and the rest is k-sized and in ``dtype``
-    anchor_q = (anchor @ q.to(anchor.dtype)).to(dtype)
+    if isinstance(anchor, SpanAnchor):  # U0 Q = Σ c_t B_t (A_t Q): k-sized, exact in ``dtype``
+        coefficients = [anchor.coefficients[u.expert] for u in updates]
+        anchor_q = sum(c * (b @ aq) for c, b, aq in zip(coefficients, lefts, right_in_q))
+    else:
+        # U0 Q, the one d_out × d_in × k product, in the anchor's own dtype (the merge's compute dtype):
+        # a float32 product is exact to its rounding, and the rest is k-sized and in ``dtype``
+        anchor_q = (anchor @ q.to(anchor.dtype)).to(dtype)
     residual_q = cross_q - anchor_q @ h  # (C − U0 G) Q
     eigenvalues, vectors = torch.linalg.eigh(h)
     basis = q @ vectors
@@ -103,11 +129,13 @@ def low_rank_factors(
     # A = S − ⟨U0, C⟩ − ⟨U0, C − U0 G⟩, each inner product through Q (C and U0 G live in span Q)
     misfit = energy - float((anchor_q * cross_q).sum()) - float((anchor_q * residual_q).sum())
     evidence = terms_of(eigenvalues, correction, misfit, (experts or len(updates)) * d_out, trace / d_in)
+    in_span = isinstance(anchor, SpanAnchor)
     return EigenFactors(
         basis=basis,
         eigenvalues=eigenvalues,
         correction=correction,
-        anchor=anchor,
+        anchor=None if in_span else anchor,
+        anchor_in_basis=anchor_q @ vectors if in_span else None,  # U0 = (U0 Q V)(Q V)ᵀ
         mean_eigenvalue=trace / d_in,
         diagonal_max=float(eigenvalues.max()) if eigenvalues.numel() else 0.0,
         evidence=evidence,

@@ -52,7 +52,7 @@ from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings, build_spec
 from mergekit_bmm.merge_methods.factor_cache import key as cache_key
 from mergekit_bmm.merge_methods.factor_cache.fill import fill_exact_factors, fill_factors, thin_rank
 from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
-from mergekit_bmm.merge_methods.lora_route import lora_updates
+from mergekit_bmm.merge_methods.lora_route import lora_updates, span_anchor
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
 
 LOG = logging.getLogger("mergekit_bmm")
@@ -318,8 +318,10 @@ class _Solve:
         Inputs checked for NaN/Inf: the base and any dense input (the factors were checked when read)."""
         dense = tuple(e for e in self.group.entries if getattr(e.id, "lora", None) is None)
         check_finite(TensorGroup(dense, self.group.metadata))
-        dtype = self.settings.compute_dtype  # the anchor as the full route computes it
-        prior = self.orient(self.source.weight(dtype) - self.base.to(dtype))
+        prior = span_anchor(self.source, tuple(self.orient(self.base).shape))
+        if prior is None:
+            dtype = self.settings.compute_dtype  # the anchor as the full route computes it
+            prior = self.orient(self.source.weight(dtype) - self.base.to(dtype))
         return low_rank_factors(updates, prior, experts=len(self.tasks))
 
     def untouched(self) -> torch.Tensor:
@@ -379,7 +381,7 @@ class _Solve:
         if updates == []:
             return self.untouched()
         if updates is not None:
-            key = cache_key.with_route(key, "low_rank/2")  # 2: entries carry the subspace's zero floor
+            key = cache_key.with_route(key, "low_rank/3")  # 3: a Task Arithmetic anchor from the factors
         factors = cache.load_factors(self.name, key, shape, dtype)
         if factors is not None and settings.lambda_auto and factors.evidence is None:
             factors = None  # an entry from before the evidence was stored: filled again

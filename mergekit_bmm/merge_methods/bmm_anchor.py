@@ -143,6 +143,32 @@ class AnchorSource:
             "seed": self.seed,
         }
 
+    def span_coefficients(self) -> tuple[float, ...] | None:
+        """``c`` with ``U0 = Σ_t c_t (W_t − W_pre)`` over the experts, when the anchor is such a sum
+        (the base: all 0; mergekit's ``task_arithmetic``); None for any other anchor.
+
+        The coefficients are mergekit's own: its method run on unit vectors (the base 0, expert t
+        the t-th unit vector) with the recipe's parameters for this tensor, so its ``weight``,
+        ``normalize`` and ``lambda`` keep their meaning. The LoRA route then forms the anchor from
+        the adapters' factors (:class:`~mergekit_bmm.core.low_rank.SpanAnchor`).
+        """
+        if self.anchor_entry is not None:
+            return None
+        if not self.computed:
+            return (0.0,) * len(self.tasks)
+        method, _, forwarded = _anchor_call(self.group.base, self.tasks, self.method_name, self.parameters)
+        if not _sums_task_vectors(method):
+            return None
+        units = torch.eye(len(self.tasks), dtype=torch.float64)  # Task Arithmetic takes the base first
+        zero = torch.zeros(len(self.tasks), dtype=units.dtype)
+        probes = (
+            TensorEntry(id=self.group.base.id, tensor=zero, is_base=True),
+            *(TensorEntry(id=task.id, tensor=unit, is_base=False) for task, unit in zip(self.tasks, units)),
+        )
+        probe = TensorGroup(entries=probes, metadata=self.group.metadata)
+        (result,) = method((probe,), parameters=forwarded, dtype=torch.float64)
+        return tuple(float(value) for value in result)
+
     def weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The anchor's full weight ``W_anchor`` for this tensor, in ``dtype``."""
         group = self.group
@@ -169,6 +195,18 @@ class AnchorSource:
                     ) from None
                 raise
         return result.to(dtype)
+
+
+def _sums_task_vectors(method: Any) -> bool:
+    """Whether mergekit's ``method`` is a weighted sum of task vectors: Task Arithmetic, with no
+    sparsification and no sign consensus (TIES, DARE and the rest are not linear in them)."""
+    from mergekit.merge_methods.generalized_task_arithmetic import GeneralizedTaskArithmeticMerge
+
+    return (
+        isinstance(method, GeneralizedTaskArithmeticMerge)
+        and method.consensus_method is None
+        and method.sparsification_method is None
+    )
 
 
 def _seed_generators(seed: int, device: torch.device) -> None:

@@ -3,6 +3,8 @@
 Every expert must be a plain LoRA adapter on the recipe's base (``model: BASE+ADAPTER``), the Grams
 data-free and untouched by ``task_balance``, the weight an ``nn.Linear`` one (not GPT-2's Conv1D, not
 a slice of an expert stack), and ``low_rank`` not switched off. Anything else takes the full route.
+An anchor that is a sum of the adapters' updates (Task Arithmetic, the base) is formed from their
+factors too: nothing on the route is computed from the dense copies mergekit made of the adapters.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from collections.abc import Sequence
 import torch
 from mergekit.merge_methods.base import TensorEntry, TensorGroup
 
-from mergekit_bmm.core.low_rank import LowRankUpdate
+from mergekit_bmm.core.low_rank import LowRankUpdate, SpanAnchor
 from mergekit_bmm.errors import TensorInputError
 from mergekit_bmm.io.lora_adapters import adapter_for
 from mergekit_bmm.io.model_folder import local_model_dir
+from mergekit_bmm.merge_methods.bmm_anchor import AnchorSource, ExpertAnchor
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
 
 
@@ -33,7 +36,7 @@ def lora_updates(
     if base_model is None:
         return None
     updates = []
-    for entry in tasks:
+    for index, entry in enumerate(tasks):
         lora, model = getattr(entry.id, "lora", None), getattr(entry.id, "model", None)
         if lora is None or model is None or str(model) != str(base_model):
             return None  # a dense expert, or an adapter on another base than the recipe's
@@ -47,5 +50,12 @@ def lora_updates(
                     f"the LoRA factors of {name} in adapter {lora} contain NaN or Inf; repair or "
                     "re-train that adapter before merging"
                 )
-            updates.append(LowRankUpdate(*factors))
+            updates.append(LowRankUpdate(*factors, expert=index))
     return updates
+
+
+def span_anchor(source: AnchorSource | ExpertAnchor, shape: tuple[int, int]) -> SpanAnchor | None:
+    """The anchor as a sum of the adapters' updates (Task Arithmetic of them, the base), formed
+    from their factors; None when it is anything else (computed from the dense copies as before)."""
+    coefficients = source.span_coefficients() if isinstance(source, AnchorSource) else None
+    return None if coefficients is None else SpanAnchor(coefficients, shape)

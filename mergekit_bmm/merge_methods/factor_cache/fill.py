@@ -117,6 +117,7 @@ def fill_exact_factors(
     cache: FactorCache, name: str, key: str, exact: EigenFactors, base: torch.Tensor, settings: BMMSettings
 ) -> EigenFactors:
     """Store factors computed exactly elsewhere (float64; the LoRA subspace route) under ``key``."""
+    exact = exact.with_dense_anchor()  # the cache stores U0 dense, whatever the route held
     eigen = _Eigen(f"{key_digest(key)}-{uuid.uuid4().hex[:12]}", exact.eigenvalues, exact.basis)
     rounded = exact.eigenvalues.to(settings.compute_dtype).to(EXACT)  # as a read gives them
     exact = replace(exact, eigenvalues=rounded, anchor=exact.anchor.to(EXACT))
