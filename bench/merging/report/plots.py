@@ -252,7 +252,10 @@ def plot_lora_intervals(lora: dict[str, Any], path: Path) -> Path | None:
         ax.set_yticks(range(len(peers)), list(reversed(peers)), fontsize=7)
         ax.axvline(0, color="grey", linewidth=0.8)
         ax.set_title(f"BMM over {anchor}", fontsize=9)
-        ax.set_xlabel("test Δ (points) against the row\n(green: interval above zero)", fontsize=8)
+        ax.set_xlabel(
+            "test Δ (points) against the row\n● searched (green: interval above zero), ○ defaults, △ λ auto",
+            fontsize=8,
+        )
     fig.suptitle(
         f"LoRA experts (rank {lora.get('rank')}): BMM against each merge of the adapters", fontsize=10
     )
