@@ -99,6 +99,16 @@ def test_a_task_arithmetic_anchor_keeps_mergekit_s_weights_normalize_and_lambda(
         assert relative_error(merged[name].double() - pre[name].double(), expected) < 1e-5, name
 
 
+def test_a_task_arithmetic_anchor_without_weights_is_one_line(lora_family, tmp_path):
+    base, adapters = lora_family
+    recipe = yaml.safe_load(_recipe(base, adapters))
+    for model in recipe["models"]:
+        del model["parameters"]
+    with pytest.raises(Exception, match=r"anchor `task_arithmetic` needs parameter `weight`") as info:
+        merge_recipe_text(yaml.safe_dump(recipe), tmp_path / "merged")
+    assert "\n" not in str(info.value)
+
+
 def test_the_full_route_the_cache_and_lambda_auto_agree_with_it(lora_family, tmp_path):
     base, adapters = lora_family
     runs = {

@@ -166,8 +166,7 @@ class AnchorSource:
             *(TensorEntry(id=task.id, tensor=unit, is_base=False) for task, unit in zip(self.tasks, units)),
         )
         probe = TensorGroup(entries=probes, metadata=self.group.metadata)
-        (result,) = method((probe,), parameters=forwarded, dtype=torch.float64)
-        return tuple(float(value) for value in result)
+        return tuple(float(value) for value in self._run(method, probe, forwarded, torch.float64))
 
     def weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The anchor's full weight ``W_anchor`` for this tensor, in ``dtype``."""
@@ -183,18 +182,23 @@ class AnchorSource:
         with torch.random.fork_rng(devices=devices):
             name_seed = zlib.crc32((group.metadata.name or "").encode())
             _seed_generators((name_seed + 1_000_003 * self.seed) % (2**63), device)
-            try:
-                (result,) = method((sub_group,), parameters=forwarded, dtype=dtype)
-            except TypeError as error:
-                if "Missing required parameter" in str(error):
-                    missing = str(error).split("Missing required parameter", 1)[1].split(" for ")[0].strip()
-                    raise ConfigError(
-                        f"bmm: anchor `{self.method_name}` needs parameter `{missing}` (tensor "
-                        f"{group.metadata.name}); set it in the recipe, e.g. per model "
-                        f"`parameters: {{{missing}: ...}}`"
-                    ) from None
-                raise
+            result = self._run(method, sub_group, forwarded, dtype)
         return result.to(dtype)
+
+    def _run(self, method: Any, group: TensorGroup, forwarded: dict[str, Any], dtype: torch.dtype):
+        """mergekit's ``method`` on ``group``; a parameter the recipe lacks is one line naming it."""
+        try:
+            (result,) = method((group,), parameters=forwarded, dtype=dtype)
+        except TypeError as error:
+            if "Missing required parameter" in str(error):
+                missing = str(error).split("Missing required parameter", 1)[1].split(" for ")[0].strip()
+                raise ConfigError(
+                    f"bmm: anchor `{self.method_name}` needs parameter `{missing}` (tensor "
+                    f"{group.metadata.name}); set it in the recipe, e.g. per model "
+                    f"`parameters: {{{missing}: ...}}`"
+                ) from None
+            raise
+        return result
 
 
 def _sums_task_vectors(method: Any) -> bool:
