@@ -2,10 +2,10 @@
 
 A Llama-shaped base (``--hidden``, default 1024; ``--intermediate``, default 2.75 × hidden;
 ``--layers``), float32, and ``--experts`` PEFT LoRA adapters of ``--rank`` on every linear module
-(q, k, v, o, gate, up, down), made locally. Every merge is mergekit's ``run_merge`` in this process on
-``BASE+ADAPTER`` experts, timed with its peak private memory. The rows run in turn, ``--repeats``
-rounds, and each ratio is the median of the rounds' own ratios (a slow spell of the machine falls on
-every row of its round):
+(q, k, v, o, gate, up, down; or on ``--targets`` only), made locally. Every merge is mergekit's
+``run_merge`` in this process on ``BASE+ADAPTER`` experts, timed with its peak private memory. The
+rows run in turn, ``--repeats`` rounds, and each ratio is the median of the rounds' own ratios (a slow
+spell of the machine falls on every row of its round):
 
 * the adapters merged into dense copies of the base (mergekit does this before any method; the
   plugin's default LoRA cache keeps them), measured once and reported apart;
@@ -46,7 +46,7 @@ LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 
 
 def make_family(
-    root: Path, hidden: int, intermediate: int, layers: int, experts: int, rank: int
+    root: Path, hidden: int, intermediate: int, layers: int, experts: int, rank: int, targets: tuple[str, ...]
 ) -> tuple[Path, list[Path]]:
     """The base and its adapters, generated once under ``root`` (reused when the spec matches)."""
     import transformers
@@ -59,8 +59,11 @@ def make_family(
         "layers": layers,
         "experts": experts,
         "rank": rank,
+        **({} if targets == LINEAR else {"targets": list(targets)}),
     }
     folder = root / "family-{hidden}-{intermediate}-{layers}-{experts}-r{rank}".format(**spec)
+    if targets != LINEAR:
+        folder = folder.with_name(folder.name + "-" + "-".join(targets))
     base, adapters = folder / "base", [folder / f"adapter-{i}" for i in range(experts)]
     marker = folder / "family.json"
     if marker.is_file() and json.loads(marker.read_text()) == spec:
@@ -73,7 +76,7 @@ def make_family(
     transformers.LlamaForCausalLM(config).save_pretrained(base)
     tokenizer.save_pretrained(base)
     for index, adapter in enumerate(adapters):
-        make_lora_adapter(base, adapter, seed=index, rank=rank, targets=LINEAR, spread=0.02)
+        make_lora_adapter(base, adapter, seed=index, rank=rank, targets=targets, spread=0.02)
     marker.write_text(json.dumps(spec))
     return base, adapters
 
@@ -171,14 +174,16 @@ def paired_ratio(row: dict, reference: dict) -> float:
     return statistics.median(a / b for a, b in zip(row["runs"], reference["runs"]))
 
 
-def accuracy(base: Path, adapters: list[Path], outputs: dict[str, Path], layers: int) -> dict[str, float]:
-    """Each route's relative error against a float64 full solve, on the last layer's down_proj."""
+def accuracy(
+    base: Path, adapters: list[Path], outputs: dict[str, Path], layers: int, module: str
+) -> dict[str, float]:
+    """Each route's relative error against a float64 full solve, on the last layer's ``module``."""
     from safetensors import safe_open
 
     from mergekit_bmm.core import closed_form, normal_equations
     from mergekit_bmm.io.lora_adapters import adapter_for
 
-    name = f"model.layers.{layers - 1}.mlp.down_proj.weight"
+    name = f"model.layers.{layers - 1}.{module}.weight"
 
     def tensor(folder: Path) -> torch.Tensor:
         for path in sorted(folder.glob("*.safetensors")):
@@ -213,12 +218,18 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("/tmp/mergekit-bmm-lora-bench"))
     parser.add_argument("--repeats", type=int, default=7, help="rounds of merges; medians are shown")
+    parser.add_argument(
+        "--targets",
+        default=",".join(LINEAR),
+        help="modules the adapters train, comma-separated (PEFT's default for Llama: q_proj,v_proj)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     os.environ["MERGEKIT_BMM_CACHE"] = str(args.out / "plugin-cache")
     intermediate = args.intermediate or int(2.75 * args.hidden)
+    targets = tuple(args.targets.split(","))
     base, adapters = make_family(
-        args.out / "models", args.hidden, intermediate, args.layers, args.experts, args.rank
+        args.out / "models", args.hidden, intermediate, args.layers, args.experts, args.rank, targets
     )
 
     def keep(label: str) -> bool:
@@ -244,11 +255,15 @@ def main() -> None:
             {TRIAL_ROW: resident_trial_job(runs["bmm, low-rank route"], args.out / "search")}, args.repeats
         )
     )
-    errors = accuracy(base, adapters, {k: outputs[k] for k in list(runs)[1:] if keep(k)}, args.layers)
+    module = "down_proj" if "down_proj" in targets else targets[-1]
+    checked = f"{'mlp' if module in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{module}"
+    solved = {k: outputs[k] for k in list(runs)[1:] if keep(k)}
+    errors = accuracy(base, adapters, solved, args.layers, checked)
     reference = rows["Task Arithmetic"]
+    where = "every linear module" if targets == LINEAR else ", ".join(targets)
     print(
         f"\nLoRA merge: hidden {args.hidden}, MLP {intermediate}, {args.layers} layers, {args.experts} "
-        f"adapters of rank {args.rank} on every linear module, float32, {torch.get_num_threads()} threads\n"
+        f"adapters of rank {args.rank} on {where}, float32, {torch.get_num_threads()} threads\n"
     )
     print(f"(median of {args.repeats} rounds; the ratio is the median of each round's ratio)\n")
     print("| merge | seconds | × Task Arithmetic | peak private MiB | peak RSS MiB | rel. error vs float64 |")

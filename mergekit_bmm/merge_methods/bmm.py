@@ -325,8 +325,12 @@ class _Solve:
         return low_rank_factors(updates, prior, experts=len(self.tasks))
 
     def untouched(self) -> torch.Tensor:
-        """No expert's adapter touches this weight: the anchor's value, counted as kept."""
+        """No expert's adapter touches this weight: the anchor's value, counted as kept (the base
+        itself when the anchor sums the adapters' updates, all zero here)."""
         kept_at_anchor.note(self.name, "no_experts")
+        if span_anchor(self.source, tuple(self.base.shape)) is not None:
+            check_finite(TensorGroup((self.group.base,), self.group.metadata))
+            return self.base.clone()
         check_finite(self.group)
         return self.source.weight(self.settings.compute_dtype).to(self.base.dtype)
 
