@@ -10,10 +10,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_every_row_runs_and_the_routes_match_the_float64_solve(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("targets", [[], ["--targets", "q_proj,v_proj"]])
+def test_every_row_runs_and_the_routes_match_the_float64_solve(tmp_path, monkeypatch, capsys, targets):
     from bench import lora_merge
 
-    argv = ["lora_merge.py", "--hidden", "64", "--layers", "1", "--rank", "4", "--repeats", "1"]
+    argv = ["lora_merge.py", "--hidden", "64", "--layers", "1", "--rank", "4", "--repeats", "1", *targets]
     monkeypatch.setattr(sys, "argv", [*argv, "--out", str(tmp_path)])
     lora_merge.main()
     table = capsys.readouterr().out
