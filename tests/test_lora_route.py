@@ -75,7 +75,8 @@ def test_each_lora_weight_is_the_float64_closed_form_of_the_exact_updates(
         equations = normal_equations.data_free_equations(vectors, F64)
         expected = closed_form.merge_matrix(equations, anchor, 0.05)
         assert relative_error(merged[name].double() - pre[name].double(), expected) < tolerance, name
-    for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.up_proj.weight"):
+    untouched = ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.up_proj.weight")
+    for name in (*untouched, "model.embed_tokens.weight", "model.norm.weight"):
         assert torch.equal(merged[name], pre[name])  # no adapter touches them: the anchor (the base)
     record = read_record(out)
     assert "model.layers.0.self_attn.o_proj.weight" in record.kept_at_anchor["no_experts"]

@@ -2,9 +2,9 @@
 
 mergekit hands a merge method the adapter already merged into its base (dense), so the factors are
 read here, from the adapter folder the recipe names (``BASE+ADAPTER``; a Hub adapter from the cache).
-Only plain LoRA is read: an adapter with DoRA, ``fan_in_fan_out`` (GPT-2's Conv1D), biases or other
-layer types is not a ``B A`` update of an ``nn.Linear`` weight, and :func:`adapter_for` returns None for
-it (the merge then takes the full route).
+Only plain LoRA is read: an adapter with DoRA, ``fan_in_fan_out`` (GPT-2's Conv1D), biases,
+``target_parameters``, activated LoRA or other layer types is not a ``B A`` update of an ``nn.Linear``
+weight, and :func:`adapter_for` returns None for it (the merge then takes the full route).
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ class Adapter:
         rank = _by_pattern(self.rank_pattern, module, self.rank)
         alpha = _by_pattern(self.alpha_pattern, module, self.alpha)
         return alpha / (math.sqrt(rank) if self.rslora else rank)
+
+    def touches(self, weight_name: str) -> bool:
+        """Whether the adapter trains the module of ``weight_name`` (norms, embeddings, biases: never)."""
+        return weight_name.removesuffix(".weight") in self.factors
 
     def update(
         self, weight_name: str, dtype: torch.dtype = torch.float64
@@ -82,6 +86,10 @@ def _read(folder: str, stamp: tuple) -> Adapter | None:
         and not config.get("use_dora")
         and not config.get("fan_in_fan_out")
         and not config.get("lora_bias")
+        # LoRA on bare parameters (MoE expert stacks) and activated LoRA are not B A of a named
+        # nn.Linear weight: their keys would not name the weights they change
+        and not config.get("target_parameters")
+        and not config.get("alora_invocation_tokens")
         and (path / WEIGHTS_FILE).is_file()
     )
     if not plain:

@@ -16,7 +16,7 @@ from mergekit.merge_methods.base import TensorEntry, TensorGroup
 
 from mergekit_bmm.core.low_rank import LowRankUpdate, SpanAnchor
 from mergekit_bmm.errors import TensorInputError
-from mergekit_bmm.io.lora_adapters import adapter_for
+from mergekit_bmm.io.lora_adapters import Adapter, adapter_for
 from mergekit_bmm.io.model_folder import local_model_dir
 from mergekit_bmm.merge_methods.bmm_anchor import AnchorSource, ExpertAnchor
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
@@ -32,26 +32,49 @@ def lora_updates(
         return None
     if transpose or "[" in name:  # Conv1D layouts and expert stacks: full route
         return None
-    base_model = getattr(group.base.id, "model", None)
-    if base_model is None:
+    adapters = plain_adapters(group, tasks)
+    if adapters is None:
         return None
     updates = []
-    for index, entry in enumerate(tasks):
-        lora, model = getattr(entry.id, "lora", None), getattr(entry.id, "model", None)
-        if lora is None or model is None or str(model) != str(base_model):
-            return None  # a dense expert, or an adapter on another base than the recipe's
-        adapter = adapter_for(local_model_dir(str(lora)))
-        if adapter is None:
-            return None
+    for index, adapter in enumerate(adapters):
         factors = adapter.update(name)
         if factors is not None:
             if not all(bool(torch.isfinite(f).all()) for f in factors):
                 raise TensorInputError(
-                    f"the LoRA factors of {name} in adapter {lora} contain NaN or Inf; repair or "
-                    "re-train that adapter before merging"
+                    f"the LoRA factors of {name} in adapter {adapter.folder} contain NaN or Inf; repair "
+                    "or re-train that adapter before merging"
                 )
             updates.append(LowRankUpdate(*factors, expert=index))
     return updates
+
+
+def plain_adapters(group: TensorGroup, tasks: Sequence[TensorEntry]) -> list[Adapter] | None:
+    """Each expert's adapter, when every expert is a plain LoRA adapter on the recipe's base; else None
+    (a dense expert, an adapter on another base, DoRA and the rest)."""
+    base_model = getattr(group.base.id, "model", None)
+    if base_model is None:
+        return None
+    adapters = []
+    for entry in tasks:
+        lora, model = getattr(entry.id, "lora", None), getattr(entry.id, "model", None)
+        if lora is None or model is None or str(model) != str(base_model):
+            return None
+        adapter = adapter_for(local_model_dir(str(lora)))
+        if adapter is None:
+            return None
+        adapters.append(adapter)
+    return adapters
+
+
+def keeps_base(source: AnchorSource) -> bool:
+    """Whether the anchor's value is the base itself because no expert's adapter touches the tensor
+    and the anchor sums the adapters' updates (all zero here): norms, embeddings and modules outside
+    the adapters' targets then keep the base without a pass over the dense copies."""
+    name = source.group.metadata.name or ""
+    adapters = plain_adapters(source.group, source.tasks) if source.tasks else None
+    if adapters is None or any(adapter.touches(name) for adapter in adapters):
+        return False
+    return source.span_coefficients() is not None
 
 
 def span_anchor(source: AnchorSource | ExpertAnchor, shape: tuple[int, int]) -> SpanAnchor | None:

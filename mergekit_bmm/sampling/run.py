@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.io.model_folder import local_model_dir
-from mergekit_bmm.merge_methods.bmm import checked_output
+from mergekit_bmm.merge_methods.finite import checked_output
 from mergekit_bmm.merge_methods.observer import SolvedTensor, listening
 from mergekit_bmm.sampling import layout
 from mergekit_bmm.sampling.posterior import RowPosterior, check_beta, check_sigma, standard_normal

@@ -36,7 +36,7 @@ from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.evaluation.base import ModelLoading, load_model, load_tokenizer
 from mergekit_bmm.io.model_folder import model_type_of
 from mergekit_bmm.merge_methods import observer
-from mergekit_bmm.merge_methods.bmm import checked_output
+from mergekit_bmm.merge_methods.finite import checked_output
 from mergekit_bmm.plugin import run as recipe_run
 from mergekit_bmm.search.experiment import Experiment, middle_of
 from mergekit_bmm.search.fidelity import evaluate_trial
