@@ -10,6 +10,7 @@ factors too: nothing on the route is computed from the dense copies mergekit mad
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 from mergekit.merge_methods.base import TensorEntry, TensorGroup
@@ -17,7 +18,7 @@ from mergekit.merge_methods.base import TensorEntry, TensorGroup
 from mergekit_bmm.core.low_rank import LowRankUpdate, SpanAnchor
 from mergekit_bmm.errors import TensorInputError
 from mergekit_bmm.io.lora_adapters import Adapter, adapter_for
-from mergekit_bmm.io.model_folder import local_model_dir
+from mergekit_bmm.io.model_folder import local_model_dir, weight_names_of
 from mergekit_bmm.merge_methods.bmm_anchor import AnchorSource, ExpertAnchor
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
 
@@ -36,12 +37,12 @@ def lora_updates(
     if adapters is None:
         return None
     updates = []
-    for index, adapter in enumerate(adapters):
+    for index, (entry, adapter) in enumerate(zip(tasks, adapters)):
         factors = adapter.update(name)
         if factors is not None:
             if not all(bool(torch.isfinite(f).all()) for f in factors):
                 raise TensorInputError(
-                    f"the LoRA factors of {name} in adapter {adapter.folder} contain NaN or Inf; repair "
+                    f"the LoRA factors of {name} in adapter {entry.id.lora} contain NaN or Inf; repair "
                     "or re-train that adapter before merging"
                 )
             updates.append(LowRankUpdate(*factors, expert=index))
@@ -49,8 +50,10 @@ def lora_updates(
 
 
 def plain_adapters(group: TensorGroup, tasks: Sequence[TensorEntry]) -> list[Adapter] | None:
-    """Each expert's adapter, when every expert is a plain LoRA adapter on the recipe's base; else None
-    (a dense expert, an adapter on another base, DoRA and the rest)."""
+    """Each expert's adapter, when every expert is a plain LoRA adapter on the recipe's base whose
+    modules are all weights of that base; else None (a dense expert, an adapter on another base, DoRA
+    and the rest, or module names that do not line up with the checkpoint's: a weight the adapter
+    changes must never be taken for one it leaves alone)."""
     base_model = getattr(group.base.id, "model", None)
     if base_model is None:
         return None
@@ -60,10 +63,23 @@ def plain_adapters(group: TensorGroup, tasks: Sequence[TensorEntry]) -> list[Ada
         if lora is None or model is None or str(model) != str(base_model):
             return None
         adapter = adapter_for(local_model_dir(str(lora)))
-        if adapter is None:
+        if adapter is None or not _names_line_up(adapter, str(base_model)):
             return None
         adapters.append(adapter)
     return adapters
+
+
+def _names_line_up(adapter: Adapter, base_model: str) -> bool:
+    return _modules_are_weights(
+        str(adapter.folder), tuple(sorted(adapter.factors)), str(local_model_dir(base_model))
+    )
+
+
+@lru_cache(maxsize=64)
+def _modules_are_weights(folder: str, modules: tuple[str, ...], base_dir: str) -> bool:
+    """Whether every module the adapter trains is a ``.weight`` of the base checkpoint (read once)."""
+    names = set(weight_names_of(base_dir))
+    return all(f"{module}.weight" in names for module in modules)
 
 
 def keeps_base(source: AnchorSource) -> bool:
