@@ -95,6 +95,7 @@ def timed_runs(jobs: dict[str, Callable[[], object]], repeats: int) -> dict[str,
     rows: dict[str, dict] = {label: {"runs": [], "private_mib": 0, "rss_mib": 0} for label in jobs}
     for round_index in range(repeats):
         for label, job in jobs.items():
+            os.sync()  # the previous job's writes flushed untimed: each starts with a clean page cache
             reset_peak_rss()
             sampler = PeakSampler("RssAnon", "VmHWM")
             started = time.perf_counter()
