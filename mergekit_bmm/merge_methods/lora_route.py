@@ -70,15 +70,13 @@ def plain_adapters(group: TensorGroup, tasks: Sequence[TensorEntry]) -> list[Ada
 
 
 def _names_line_up(adapter: Adapter, base_model: str) -> bool:
-    return _modules_are_weights(
-        str(adapter.folder), tuple(sorted(adapter.factors)), str(local_model_dir(base_model))
-    )
+    return _modules_are_weights(str(adapter.folder), tuple(sorted(adapter.factors)), base_model)
 
 
 @lru_cache(maxsize=64)
-def _modules_are_weights(folder: str, modules: tuple[str, ...], base_dir: str) -> bool:
+def _modules_are_weights(folder: str, modules: tuple[str, ...], base_model: str) -> bool:
     """Whether every module the adapter trains is a ``.weight`` of the base checkpoint (read once)."""
-    names = set(weight_names_of(base_dir))
+    names = set(weight_names_of(base_model))
     return all(f"{module}.weight" in names for module in modules)
 
 
