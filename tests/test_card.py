@@ -398,3 +398,26 @@ def test_hub_ids_are_known_without_asking_the_hub(tmp_path):
     assert hub_id_of("org/model", local_folder("org/model")) == "org/model"  # not local: fetched from the Hub
     assert hub_id_of(str(tmp_path), local_folder(str(tmp_path))) is None
     assert hub_id_of("/no/such/folder", None) is None
+
+
+def test_weight_hashes_are_the_sha256_of_each_file_sharded_or_empty(tmp_path):
+    """What `mergekit-bmm-publish` compares with the Hub's LFS object ids: every shard's own SHA-256,
+    however the files are hashed (side by side for shards, from a memory map)."""
+    import hashlib
+    import os
+
+    from mergekit_bmm.cards.merge_record import weight_hashes
+
+    sizes = {"model-00001-of-00003.safetensors": 5 << 20, "model-00002-of-00003.safetensors": 123,
+             "model-00003-of-00003.safetensors": 0}  # fmt: skip
+    expected = {}
+    for name, size in sizes.items():
+        data = os.urandom(size)
+        (tmp_path / name).write_bytes(data)
+        expected[name] = hashlib.sha256(data).hexdigest()
+    (tmp_path / "config.json").write_text("{}")
+    assert weight_hashes(tmp_path) == expected
+    one = tmp_path / "single"
+    one.mkdir()
+    (one / "model.safetensors").write_bytes(b"abc")
+    assert weight_hashes(one) == {"model.safetensors": hashlib.sha256(b"abc").hexdigest()}

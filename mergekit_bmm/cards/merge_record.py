@@ -13,6 +13,8 @@ checkpoints were merged.
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -80,18 +82,27 @@ def weight_sizes(folder: Path) -> dict[str, int]:
 
 
 def file_sha256(path: Path, progress=None) -> str:
-    """SHA-256 of a file's bytes, read in 4 MiB blocks (``progress.update`` per block)."""
+    """SHA-256 of a file's bytes, hashed from a read-only memory map in 4 MiB blocks (no copies;
+    ``progress.update`` per block)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        while block := handle.read(4 << 20):
-            digest.update(block)
-            if progress is not None:
-                progress.update(len(block))
+        if os.fstat(handle.fileno()).st_size == 0:
+            return digest.hexdigest()
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+            for start in range(0, len(view), 4 << 20):
+                block = view[start : start + (4 << 20)]
+                digest.update(block)
+                if progress is not None:
+                    progress.update(len(block))
+                block.release()
     return digest.hexdigest()
 
 
 def weight_hashes(folder: Path, show_progress: bool = False) -> dict[str, str]:
-    """SHA-256 of every weight file in ``folder`` (a byte-level bar if asked)."""
+    """SHA-256 of every weight file in ``folder`` (a byte-level bar if asked); the shards of a large
+    model are hashed side by side (hashlib releases the GIL), one per core."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm import tqdm
 
     files = weight_files(folder)
@@ -99,7 +110,11 @@ def weight_hashes(folder: Path, show_progress: bool = False) -> dict[str, str]:
     with tqdm(
         total=total, unit="B", unit_scale=True, desc="Hashing weights", disable=not show_progress
     ) as bar:
-        return {path.name: file_sha256(path, bar) for path in files}
+        if len(files) < 2:
+            return {path.name: file_sha256(path, bar) for path in files}
+        with ThreadPoolExecutor(max_workers=min(len(files), os.cpu_count() or 1)) as pool:
+            digests = pool.map(lambda path: file_sha256(path, bar), files)
+            return {path.name: digest for path, digest in zip(files, digests)}
 
 
 def _versions() -> tuple[str, str]:
