@@ -63,8 +63,9 @@ def recipe_adapters(config: Any) -> tuple[str, list[Adapter]]:
         adapter = adapter_for(local_model_dir(str(reference.lora)))
         if adapter is None:
             raise ConfigError(
-                f"{reference.lora} is not a plain LoRA adapter (DoRA, fan_in_fan_out, biases or extra "
-                "trained modules); write the merge as a full model with mergekit-yaml"
+                f"{reference.lora} is not a plain LoRA adapter (DoRA, fan_in_fan_out, biases, "
+                "target_parameters, activated LoRA or extra trained modules); write the merge as a full "
+                "model with mergekit-yaml"
             )
         adapters.append(adapter)
     if not adapters:
