@@ -297,7 +297,7 @@ class _Solve:
         """No expert's adapter touches this weight: the anchor's value, counted as kept (the base
         itself when the anchor sums the adapters' updates, all zero here)."""
         kept_at_anchor.note(self.name, "no_experts")
-        if isinstance(self.source, AnchorSource) and keeps_base(self.source):
+        if span_anchor(self.source, tuple(self.base.shape)) is not None:  # adapters known to skip it
             return checked_base(self.group)
         check_finite(self.group)
         return self.source.weight(self.settings.compute_dtype).to(self.base.dtype)
