@@ -9,10 +9,11 @@ spell of the machine falls on every row of its round):
 
 * the adapters merged into dense copies of the base (mergekit does this before any method; the
   plugin's default LoRA cache keeps them), measured once and reported apart;
-* Task Arithmetic (weight 0.3) over the adapters;
-* bmm over that Task Arithmetic, data-free, λ 0.1: the low-rank route (the default) and
-  ``low_rank: false`` (the full route; ``--no-full`` skips it);
-* ``mergekit-bmm-lora`` on the bmm recipe: the same merge written as one PEFT adapter;
+* Task Arithmetic (weight 0.3) over the adapters, alternating with bmm over that Task Arithmetic,
+  data-free, λ 0.1, by the low-rank route (the default);
+* then, in rounds of their own with Task Arithmetic again: ``low_rank: false`` (the full route;
+  ``--no-full`` skips it) and ``mergekit-bmm-lora`` on the bmm recipe (the same merge written as one
+  PEFT adapter);
 * apart, after those (the loaded model would count in their memory): a resident search trial, new λ
   and s merged in place from the subspace's cached factors (its evaluation not included);
 * accuracy: the low-rank and full routes against a float64 full solve of the adapters' exact updates,
@@ -27,13 +28,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's default wait policy (threads spin between parallel regions), as a user's merge has it:
+# sleeping waits (OMP_WAIT_POLICY=PASSIVE, which other benchmarks here set to share the CPU) cost
+# the route, whose many k-sized products each wake the threads, 0.13 s a merge at hidden 1024.
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -41,6 +45,7 @@ import yaml  # noqa: E402
 from bench.common import PeakSampler, llama_config, reset_peak_rss  # noqa: E402
 
 ADAPTER_ROW = "mergekit-bmm-lora (the bmm merge as one adapter)"
+REFERENCE_AGAIN = "Task Arithmetic, in the rounds of the rows below"
 TRIAL_ROW = "resident search trial (new λ, s; no evaluation)"
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -89,13 +94,21 @@ def recipe(base: Path, adapters: list[Path], method: str, **parameters) -> str:
     return yaml.safe_dump(body)
 
 
-def timed_runs(jobs: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict]:
+def timed_runs(
+    jobs: dict[str, Callable[[], object]], repeats: int, outputs: dict[str, Path] | None = None
+) -> dict[str, dict]:
     """``repeats`` rounds of one run per job, in turn (so a slow spell of the machine falls on every
-    row alike): each row's median wall time, its times per round, and the peaks over its runs."""
+    row alike): each row's median wall time, its times per round, and the peaks over its runs.
+
+    Before each run, untimed, the job's previous output (``outputs``) is deleted and every write is
+    flushed: a merge writes into a new folder, as a user's usually does, and pays neither for freeing
+    the last round's blocks (slow on a disk mounted with ``discard``) nor for another job's writes."""
     rows: dict[str, dict] = {label: {"runs": [], "private_mib": 0, "rss_mib": 0} for label in jobs}
     for round_index in range(repeats):
         for label, job in jobs.items():
-            os.sync()  # the previous job's writes flushed untimed: each starts with a clean page cache
+            if outputs and label in outputs:
+                shutil.rmtree(outputs[label], ignore_errors=True)
+            os.sync()
             reset_peak_rss()
             sampler = PeakSampler("RssAnon", "VmHWM")
             started = time.perf_counter()
@@ -247,8 +260,17 @@ def main() -> None:
     rows = timed_runs({once: merge_job(runs["Task Arithmetic"], merged / "once")}, 1)
     print(f"{once}: {rows[once]}", flush=True)
     jobs = {label: merge_job(text, outputs[label]) for label, text in runs.items() if keep(label)}
-    jobs[ADAPTER_ROW] = adapter_job(runs["bmm, low-rank route"], merged / "adapter")
-    rows.update(timed_runs(jobs, args.repeats))
+    outputs[ADAPTER_ROW] = merged / "adapter"
+    jobs[ADAPTER_ROW] = adapter_job(runs["bmm, low-rank route"], outputs[ADAPTER_ROW])
+    # Two phases. A merge inherits the process's state from the one before (the allocator's free
+    # lists, the page cache): the full route and the adapter's fit (800 MiB at hidden 1024) left
+    # Task Arithmetic, next in line, up to a third faster than the route. So the route alternates
+    # with Task Arithmetic alone, as one merge per process would meet them; the heavy rows follow,
+    # each against the Task Arithmetic of its own rounds.
+    light = ("Task Arithmetic", "bmm, low-rank route")
+    rows.update(timed_runs({label: jobs[label] for label in light}, args.repeats, outputs))
+    heavy = {REFERENCE_AGAIN: jobs["Task Arithmetic"]} | {k: v for k, v in jobs.items() if k not in light}
+    rows.update(timed_runs(heavy, args.repeats, outputs | {REFERENCE_AGAIN: outputs["Task Arithmetic"]}))
     # apart, after the merges: the resident model stays loaded and would count in their memory
     print("loading the resident model and filling the factor cache (once) ...", flush=True)
     rows.update(
@@ -261,17 +283,20 @@ def main() -> None:
     solved = {k: outputs[k] for k in list(runs)[1:] if keep(k)}
     errors = accuracy(base, adapters, solved, args.layers, checked)
     reference = rows["Task Arithmetic"]
+    heavy_rows = set(heavy) - {REFERENCE_AGAIN}
     where = "every linear module" if targets == LINEAR else ", ".join(targets)
     print(
         f"\nLoRA merge: hidden {args.hidden}, MLP {intermediate}, {args.layers} layers, {args.experts} "
-        f"adapters of rank {args.rank} on {where}, float32, {torch.get_num_threads()} threads\n"
+        f"adapters of rank {args.rank} on {where}, float32, {torch.get_num_threads()} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}\n"
     )
     print(f"(median of {args.repeats} rounds; the ratio is the median of each round's ratio)\n")
     print("| merge | seconds | × Task Arithmetic | peak private MiB | peak RSS MiB | rel. error vs float64 |")
     print("|---|---|---|---|---|---|")
     for label, row in rows.items():
         error = f"{errors[label]:.1e}" if label in errors else "—"
-        ratio = "—" if label == once else f"{paired_ratio(row, reference):.2f}"
+        beside = rows[REFERENCE_AGAIN] if label in heavy_rows else reference
+        ratio = "—" if label == once else f"{paired_ratio(row, beside):.2f}"
         if label == TRIAL_ROW:  # timed in its own rounds: medians
             ratio = f"{row['seconds'] / reference['seconds']:.2f}"
         print(f"| {label} | {row['seconds']} | {ratio} | {row['private_mib']} | {row['rss_mib']} | {error} |")
