@@ -82,7 +82,8 @@ def summary_row(
 def verdict(summary: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
     """Per mode: over how many anchors BMM is above its anchor, and with the interval above zero;
     where the search gained, for how many BMM at its defaults reaches 80 % of that gain (the bar
-    for a default worth documenting: one merge instead of a search)."""
+    for a default worth documenting: one merge instead of a search); and for how many `lambda: auto`
+    is above or below the defaults, paired (with the interval clear of zero: ``surely``)."""
     out: dict[str, dict[str, int]] = {}
     for row in summary:
         counts = out.setdefault(
@@ -100,6 +101,16 @@ def verdict(summary: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
                 counts[f"{kind}_reach_80"] = counts.get(f"{kind}_reach_80", 0) + int(
                     row[f"{kind}_share"] >= DEFAULTS_BAR
                 )
+        versus = row.get("auto_vs_defaults")  # the choice itself: would `auto` be the better default?
+        if versus is not None:
+            for key, won in (
+                ("auto_vs_defaults", True),
+                ("auto_above_defaults", versus["estimate"] > 0),
+                ("auto_below_defaults", versus["estimate"] < 0),
+                ("auto_surely_above_defaults", versus["low"] > 0),
+                ("auto_surely_below_defaults", versus["high"] < 0),
+            ):
+                counts[key] = counts.get(key, 0) + int(won)
     return out
 
 

@@ -71,13 +71,12 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
             if not merge.get("model_id"):
                 continue
             estimate, low, high = paired_difference(flags(merge["model_id"]), anchors[anchor])
-            if kind == "auto":  # and against the search it would replace
-                versus, versus_low, versus_high = paired_difference(flags(merge["model_id"]), expected)
-                cell["auto_vs_search"] = {
-                    "estimate": round(versus, 4),
-                    "low": round(versus_low, 4),
-                    "high": round(versus_high, 4),
-                }
+            if kind == "auto":  # and against the search it would replace and the default it would
+                chosen = flags(merge["model_id"])
+                cell["auto_vs_search"] = _paired(chosen, expected)
+                defaults = (row.get("defaults") or {}).get("model_id")
+                if defaults:
+                    cell["auto_vs_defaults"] = _paired(chosen, flags(defaults))
             cell.update(
                 {
                     f"{kind}_score": merge["avg"],
@@ -121,6 +120,14 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
             )
     results["best_models"] = best_models(searched, anchors.get(best))
     results["verdict"] = verdict(summary)
+
+
+def _paired(first: dict[str, list[bool]], second: dict[str, list[bool]]) -> dict[str, float]:
+    """The paired Δ first − second over the same test examples, with its 95 % interval."""
+    from bench.merging.intervals import paired_difference
+
+    estimate, low, high = paired_difference(first, second)
+    return {"estimate": round(estimate, 4), "low": round(low, 4), "high": round(high, 4)}
 
 
 def _row_scores(results: dict[str, Any], anchor: str, setting: str) -> dict[str, float | None]:

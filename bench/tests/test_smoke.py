@@ -357,10 +357,14 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path, monkeypatch):
         assert all(choice["lambda"] > 0 for choice in auto["lambda_auto"].values())
         cell = summary[("task_arithmetic", mode)]
         assert cell["auto_delta_low"] <= cell["auto_delta"] <= cell["auto_delta_high"]
-        versus = cell["auto_vs_search"]
-        assert versus["low"] <= versus["estimate"] <= versus["high"]
+        for key in ("auto_vs_search", "auto_vs_defaults"):  # the search it would replace, the default
+            versus = cell[key]
+            assert versus["low"] <= versus["estimate"] <= versus["high"]
+    paired = results["verdict"]["data_free"]
+    assert paired["auto_above_defaults"] + paired["auto_below_defaults"] <= paired["auto_vs_defaults"] == 1
     assert (tmp_path / "results" / "smoke" / "lambda_auto.png").stat().st_size > 0
-    assert "BMM at `lambda: auto`" in (tmp_path / "results" / "smoke" / "results.md").read_text()
+    page = (tmp_path / "results" / "smoke" / "results.md").read_text()
+    assert "BMM at `lambda: auto`" in page and "`lambda: auto` paired against BMM at its defaults" in page
     assert results["verdict"]["data_free"]["anchors"] == 1
     gained = results["verdict"]["data_free"]["search_gained"]  # defaults judged only where a search gained
     assert 0 <= results["verdict"]["data_free"]["defaults_reach_80"] <= gained <= 1

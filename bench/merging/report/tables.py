@@ -167,7 +167,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
         header.append("BMM at a proposed default (Δ; share)")
     evidence = any("auto_score" in cell for cell in summary)
     if evidence:
-        header.append("BMM at `lambda: auto` (Δ; share; vs the search)")
+        header.append("BMM at `lambda: auto` (Δ; share; vs the search; vs the defaults)")
     lines = table_head(header)
     for cell in summary:
         versus_best = (
@@ -223,15 +223,27 @@ def summary_markdown(results: dict[str, Any]) -> str:
             " BMM at `lambda: auto` (λ per weight from the evidence, s 1; no validation data) reaching it "
             f"— {automatic}."
         )
+    against = "; ".join(
+        f"{mode}: below them for {c['auto_below_defaults']} of {c['auto_vs_defaults']} "
+        f"({c['auto_surely_below_defaults']} with the interval below zero), above for "
+        f"{c['auto_above_defaults']} ({c['auto_surely_above_defaults']} with it above)"
+        for mode, c in counts.items()
+        if c.get("auto_vs_defaults")
+    )
+    if against:
+        text += f"\n\n`lambda: auto` paired against BMM at its defaults (λ 0.1, s 1) on test — {against}."
     return text
 
 
 def _auto_cell(cell: dict[str, Any]) -> str:
-    """The ``lambda: auto`` merge: against the anchor (share of the search's Δ) and against the search."""
+    """The ``lambda: auto`` merge: against the anchor (share of the search's Δ), the search and the
+    defaults (both paired)."""
     if "auto_score" not in cell:
         return "–"
-    versus = cell.get("auto_vs_search")
-    return _defaults_cell(cell, "auto") + (f"; {interval_text(versus, True)}" if versus else "")
+    text = _defaults_cell(cell, "auto")
+    for key in ("auto_vs_search", "auto_vs_defaults"):
+        text += f"; {interval_text(cell[key], True)}" if cell.get(key) else "; –"
+    return text
 
 
 def _parameters(cell: dict[str, Any]) -> str:
