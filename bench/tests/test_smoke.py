@@ -363,6 +363,11 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path, monkeypatch):
     paired = results["verdict"]["data_free"]
     assert paired["auto_above_defaults"] + paired["auto_below_defaults"] <= paired["auto_vs_defaults"] == 1
     assert (tmp_path / "results" / "smoke" / "lambda_auto.png").stat().st_size > 0
+    from bench.merging.report.plots import searched_lambdas
+
+    for mode in ("data_free", "data_assisted"):  # the picture's crosses: the search's λ per group
+        groups = set(searched_lambdas(cells[("task_arithmetic", mode)]))
+        assert groups == {"attn_in", "attn_out", "mlp_in", "mlp_out"}
     page = (tmp_path / "results" / "smoke" / "results.md").read_text()
     assert "BMM at `lambda: auto`" in page and "`lambda: auto` paired against BMM at its defaults" in page
     assert results["verdict"]["data_free"]["anchors"] == 1

@@ -178,9 +178,10 @@ def evidence_lambdas(row: dict[str, Any]) -> dict[str, list[float]]:
 
 
 def searched_lambdas(row: dict[str, Any]) -> dict[str, list[float]]:
-    """The search's best λ per module group (every block's), from ``best_values``."""
+    """The search's best λ per module group (every block's), from the row's ``best_values``."""
     found: dict[str, list[float]] = {}
-    for name, value in (row.get("best_values") or {}).items():
+    best = row.get("best_values") or (row.get("hyperparameters") or {}).get("best_values") or {}
+    for name, value in best.items():
         _, _, groups = name.partition(".")
         for group in groups.split("+"):
             if group not in ("scale", "epsilon"):

@@ -93,13 +93,19 @@ def stage_line(results: dict[str, Any]) -> str:
     from bench.merging.stages import STAGES
 
     reached = results.get("stage_reached", STAGES[-1])
-    later = STAGES[STAGES.index(reached) + 1 :] if reached in STAGES else []
+    done = list(STAGES[: STAGES.index(reached) + 1]) if reached in STAGES else []
+    later = list(STAGES[STAGES.index(reached) + 1 :]) if reached in STAGES else []
+    alone = "language" in later and bool(results.get("language"))  # run on its own (--language-only)
+    if alone:
+        later.remove("language")
     where = results.get("machine") or {}
     cores = f"{where['cores']} cores" if where.get("cores") else None
     machine = ", ".join(str(part) for part in (where.get("cpu"), cores, where.get("gpu")) if part)
-    text = f"Stages run: {', '.join(STAGES[: STAGES.index(reached) + 1])}" if reached in STAGES else ""
+    text = f"Stages run: {', '.join(done)}" if done else ""
     if results.get("stage_partial"):
         text += f" ({results['stage_partial']})"
+    if alone:
+        text += ", and language (run on its own)"
     if later:
         text += f"; not yet run: {', '.join(later)}"
     return text + (f". Machine: {machine}." if machine else ".")
