@@ -66,17 +66,17 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
             continue
         cell = summary_row(anchor, setting, expected, anchors[anchor], anchors.get(best), indiv_flags)
         row = report.find_row(results, anchor, setting)
+        scored: dict[str, dict[str, list[bool]]] = {}  # each one-merge model's flags, read once
         for kind in ("defaults", "candidate", "auto"):  # one merge, no search: today's defaults, a
             merge = row.get(kind) or {}  # proposed one, λ from the evidence
             if not merge.get("model_id"):
                 continue
-            estimate, low, high = paired_difference(flags(merge["model_id"]), anchors[anchor])
+            scored[kind] = flags(merge["model_id"])
+            estimate, low, high = paired_difference(scored[kind], anchors[anchor])
             if kind == "auto":  # and against the search it would replace and the default it would
-                chosen = flags(merge["model_id"])
-                cell["auto_vs_search"] = _paired(chosen, expected)
-                defaults = (row.get("defaults") or {}).get("model_id")
-                if defaults:
-                    cell["auto_vs_defaults"] = _paired(chosen, flags(defaults))
+                cell["auto_vs_search"] = _paired(scored[kind], expected)
+                if "defaults" in scored:
+                    cell["auto_vs_defaults"] = _paired(scored[kind], scored["defaults"])
             cell.update(
                 {
                     f"{kind}_score": merge["avg"],
