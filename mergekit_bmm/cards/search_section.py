@@ -46,6 +46,7 @@ def search_section(summary: SearchFacts, plots: Mapping[str, str]) -> list[str]:
         table(["search", "value"], facts),
         "",
     ]
+    lines += label_free_lines(summary.evaluator or {})
     staged = (getattr(summary, "fidelity", None) or {}).get("description")
     if staged:  # how the search spent its validation examples (cheap-then-full evaluation)
         lines += [staged[0].upper() + staged[1:] + ".", ""]
@@ -95,3 +96,39 @@ def search_section(summary: SearchFacts, plots: Mapping[str, str]) -> list[str]:
     for title, file_name in plots.items():
         lines += [f"![{title}]({file_name})", ""]
     return lines
+
+
+OBJECTIVE_WORDS = {
+    "kl": "KL(expert ‖ merged) of their predictions",
+    "reverse_kl": "KL(merged ‖ expert) of their predictions",
+    "top1": "how often its most likely prediction is the expert's",
+    "entropy": "the merged model's own prediction entropy (AdaMerging's objective; no expert involved)",
+}
+
+
+def label_free_lines(evaluator: Mapping[str, Any]) -> list[str]:
+    """For a search scored with no labels (``type: agreement``): say so, and which texts it read."""
+    if evaluator.get("type") != "agreement":
+        return []
+    objective = str(evaluator.get("objective", "kl"))
+    if evaluator.get("stats"):
+        texts = f"the tasks of the statistics config `{evaluator['stats']}`"
+    else:
+        texts = "; ".join(
+            f"`{task.get('name')}`: `{task.get('data')}`"
+            + (f" ({task['split']})" if task.get("split") else "")
+            for task in evaluator.get("tasks") or []
+        )
+    if evaluator.get("split"):
+        texts += f", split `{evaluator['split']}`"
+    measure = OBJECTIVE_WORDS.get(objective, objective)
+    scale = (
+        "each task as the share of the base model's divergence closed"
+        if evaluator.get("scale", "base") == "base"
+        else "raw"
+    )
+    return [
+        "**This search used no labels.** Each candidate merge was scored on unlabelled text of every "
+        f"expert's task by {measure} ({scale}). Texts read: {texts}.",
+        "",
+    ]

@@ -1,7 +1,8 @@
 """Evaluators: turn a merged model folder into per-task scores for the search.
 
 ``python`` (a function of yours), ``lm_eval`` (lm-evaluation-harness tasks, local ones
-included) and ``classification`` (fixed heads on an encoder, accuracy).
+included), ``classification`` (fixed heads on an encoder, accuracy) and ``agreement`` (no
+labels: how closely the merge reproduces each expert on unlabelled text).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from mergekit_bmm.devices import resolve_device
 from mergekit_bmm.evaluation.base import Evaluator
 from mergekit_bmm.evaluation.config import (
+    AgreementEvaluatorConfig,
     ClassificationEvaluatorConfig,
     EvaluatorConfig,
     LMEvalEvaluatorConfig,
@@ -32,6 +34,10 @@ def make_evaluator(config: EvaluatorConfig, device: str = "cpu") -> Evaluator:
         from mergekit_bmm.evaluation.classification import ClassificationEvaluator
 
         return ClassificationEvaluator(config, device)
+    if isinstance(config, AgreementEvaluatorConfig):
+        from mergekit_bmm.evaluation.agreement import AgreementEvaluator
+
+        return AgreementEvaluator(config, device)
     raise TypeError(f"unknown evaluator config {type(config).__name__}")
 
 

@@ -246,7 +246,7 @@ def encode_texts(tokenizer: Any, texts: Sequence[str], max_length: int) -> list[
     return [{key: encoded[key][i] for key in keys} for i in range(len(texts))]
 
 
-def _pad(rows: Sequence[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+def pad_rows(rows: Sequence[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``, ``attention_mask`` (and ``token_type_ids``) of a batch."""
     width = max(len(row["input_ids"]) for row in rows)
     batch = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long)}
@@ -317,7 +317,7 @@ def pooled_encoded(
     try:
         batches = length_batches([len(row["input_ids"]) for row in rows], batch_size)
         for chunk in tqdm(batches, desc=progress, disable=progress is None, leave=False):
-            batch = {k: v.to(device) for k, v in _pad([rows[i] for i in chunk], pad_id).items()}
+            batch = {k: v.to(device) for k, v in pad_rows([rows[i] for i in chunk], pad_id).items()}
             hidden = _last_hidden_state(model, batch)
             if pooled is None:
                 pooled = torch.empty(len(rows), hidden.shape[-1])

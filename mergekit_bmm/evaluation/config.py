@@ -167,8 +167,82 @@ class ClassificationEvaluatorConfig(_Strict):
         return self
 
 
+def _local_reference(value: str, info: ValidationInfo) -> str:
+    """A path as an absolute one (from the config's folder); a Hub id (``ORG/NAME``) as it is."""
+    base = Path((info.context or {}).get("base_dir") or Path.cwd())
+    if value.startswith(("/", ".", "~")) or (base / value).exists():
+        return resolve_path(value, info) or value
+    return value
+
+
+class AgreementEvaluatorConfig(_Strict):
+    """``type: agreement``: no labels; how closely the merge reproduces each expert on its task's text.
+
+    The tasks are a ``stats.yml``'s (``stats:``, by reference) or the same schema inline (``tasks:``):
+    per task an expert (``model``) and unlabelled text (``data``: JSONL, a ``datasets`` folder or a Hub
+    data set from the cache). Inline tasks may add a ``head:`` (a classification head file, for
+    encoders) and a ``weight:``. ``references`` (default: the search's ``references/`` folder) keeps
+    each expert's predictions; ``base_model`` (default: the recipe's) sets each task's scale.
+    """
+
+    type: Literal["agreement"]
+    stats: str | None = None
+    tasks: list[dict[str, Any]] | None = None
+    objective: Literal["kl", "reverse_kl", "top1", "entropy"] = "kl"
+    scale: Literal["base", "none"] = "base"
+    split: str | None = None  # overrides every task's split (e.g. held-out text)
+    max_samples: int | None = Field(default=None, ge=1)  # texts per task (default: the stats' 128)
+    max_length: int | None = Field(default=None, ge=1)  # tokens per text (default: the stats')
+    top_k: int = Field(default=64, ge=1, description="causal LMs: the expert's most likely tokens kept")
+    batch_size: int = Field(default=8, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    heads: dict[str, str] = Field(default_factory=dict)  # task name -> head file (with `stats:`)
+    references: str | None = None
+    base_model: str | None = None
+
+    @field_validator("stats", "references")
+    @classmethod
+    def _resolve(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return resolve_path(value, info)
+
+    @field_validator("heads")
+    @classmethod
+    def _resolve_heads(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        return {name: resolve_path(path, info) for name, path in value.items()}
+
+    @field_validator("tasks")
+    @classmethod
+    def _resolve_task_paths(cls, value: list[dict[str, Any]] | None, info: ValidationInfo) -> Any:
+        if value is None:
+            return None
+        resolved = []
+        for task in value:
+            if not isinstance(task, dict):
+                raise ValueError(f"each task is a mapping with name, model and data; got {task!r}")
+            task = dict(task)
+            if task.get("head") is not None:
+                task["head"] = resolve_path(str(task["head"]), info)
+            if isinstance(task.get("data"), str):
+                task["data"] = _local_reference(task["data"], info)
+            if isinstance(task.get("model"), str):
+                task["model"] = "+".join(_local_reference(part, info) for part in task["model"].split("+", 1))
+            resolved.append(task)
+        return resolved
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AgreementEvaluatorConfig:
+        if (self.stats is None) == (self.tasks is None):
+            raise ValueError(
+                "give the tasks either as `stats: stats.yml` (a statistics config) or inline as `tasks:`, "
+                "not both or neither"
+            )
+        if self.tasks is not None and not self.tasks:
+            raise ValueError("`tasks:` is empty; list at least one task (name, model, data)")
+        return self
+
+
 EvaluatorConfig = Annotated[
-    PythonEvaluatorConfig | LMEvalEvaluatorConfig | ClassificationEvaluatorConfig,
+    PythonEvaluatorConfig | LMEvalEvaluatorConfig | ClassificationEvaluatorConfig | AgreementEvaluatorConfig,
     Field(discriminator="type"),
 ]
 

@@ -194,7 +194,27 @@ class SearchConfig(BaseModel):
         data.pop("anchor_start")  # the log holds each trial's values: a search resumes either way
         if self.strategy != "grid":
             data.pop("budget")
+        if data["evaluator"].get("type") == "agreement":  # where references live, and the recipe's base
+            data["evaluator"] = {
+                k: v for k, v in data["evaluator"].items() if k not in ("references", "base_model")
+            }
         return data
+
+    def with_search_evaluator(self, base_model: str, references: Path) -> SearchConfig:
+        """The config with the label-free evaluator's defaults filled in: the recipe's base model,
+        and the references kept in the search's folder (workers read them from there)."""
+        evaluator = self.evaluator
+        if getattr(evaluator, "type", None) != "agreement":
+            return self
+        if evaluator.base_model is not None and evaluator.base_model != base_model:
+            raise ConfigError(
+                f"evaluator base_model {evaluator.base_model} is not the recipe's base_model {base_model}; "
+                "remove it (the search uses the recipe's)"
+            )
+        filled = evaluator.model_copy(
+            update={"base_model": base_model, "references": evaluator.references or str(references)}
+        )
+        return self.model_copy(update={"evaluator": filled})
 
 
 def one_line_validation(error: pydantic.ValidationError, source: str) -> str:
@@ -208,7 +228,7 @@ def one_line_validation(error: pydantic.ValidationError, source: str) -> str:
         elif kind == "missing":
             message = "required field is missing"
         elif kind == "union_tag_invalid" or kind == "union_tag_not_found":
-            message = "evaluator needs `type:` python, lm_eval or classification"
+            message = "evaluator needs `type:` python, lm_eval, classification or agreement"
         parts.append(f"`{where}`: {message}" if where else message)
     return f"{source}: " + "; ".join(parts[:3]) + ("; ..." if len(parts) > 3 else "")
 

@@ -124,7 +124,7 @@ class RunFolder:
         "lambdas.png",
         "proposer.pkl",
     )
-    OWNED_DIRS = ("trials", "best", "cache", ".work")
+    OWNED_DIRS = ("trials", "best", "cache", "references", ".work")
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root).resolve()
@@ -143,6 +143,7 @@ class RunFolder:
         self.trials_dir = self.root / "trials"
         self.best_dir = self.root / "best"
         self.cache_dir = self.root / "cache"
+        self.references_dir = self.root / "references"
         self.work_dir = self.root / ".work"
         self._lock: FileLock | None = None
 

@@ -130,11 +130,19 @@ class SearchRun:
     def run(self) -> SearchResult:
         cache_dir = (self.options.cache_dir or self.folder.cache_dir) if self.options.use_cache else None
         self.experiment = prepare_experiment(self.config, cache_dir)
+        self.config = self.config.with_search_evaluator(
+            self.experiment.base_model, self.folder.references_dir
+        )
         self._keep_recorded_box()
         self.proposer = make_proposer(self.experiment.space, self.config, self._start())
         self.evaluator = make_evaluator(self.config.evaluator, self.device)
+        prepare = getattr(self.evaluator, "prepare", None)  # the label-free evaluator
+        if prepare is not None:
+            self.evaluator.check_recipe(self.experiment.template)  # before OUT_PATH is touched
         resumed = self._open_folder(self.experiment)
         try:
+            if prepare is not None:  # the experts' references: read, or computed once for the search
+                prepare(self.experiment.template, self.echo)
             return self._run_locked(resumed)
         finally:
             self.folder.unlock()

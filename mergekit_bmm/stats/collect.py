@@ -33,9 +33,8 @@ from mergekit_bmm.stats import passes as budgeting
 from mergekit_bmm.stats.config import StatsConfig, TaskConfig
 from mergekit_bmm.stats.gram_hooks import GramCollector, PassComplete
 from mergekit_bmm.stats.gram_storage import tokens_are_smaller
-from mergekit_bmm.stats.hub import load_hub_dataset
-from mergekit_bmm.stats.plan import TaskPlan, open_output, plan_tasks, reconcile
-from mergekit_bmm.stats.samples import dataset_samples, read_samples, tokenize_samples
+from mergekit_bmm.stats.plan import TaskPlan, open_output, plan_tasks, reconcile, task_samples
+from mergekit_bmm.stats.samples import tokenize_samples
 from mergekit_bmm.stats.store import (
     GRAM_DIR,
     StatsManifest,
@@ -138,18 +137,10 @@ class TaskRun:
                     bar.update(int(mask.sum()))
 
 
-def _samples(plan: TaskPlan) -> list:
-    task = plan.task
-    if plan.data_folder is not None:
-        dataset = load_hub_dataset(plan.data_folder, task.data, task.data_config, task.split)
-        return dataset_samples(dataset, task.data, task.text_field, task.max_samples, task.chat_template)
-    return read_samples(task.data, task.text_field, task.max_samples, task.split, task.chat_template)
-
-
 def _prepare(plan: TaskPlan, config: StatsConfig, device: torch.device) -> TaskRun:
     task = plan.task
     # Read the data before loading the expert: a bad file fails in a second.
-    samples = _samples(plan)
+    samples = task_samples(plan)
     model, tokenizer, model_type, decoder = load_expert(str(plan.model.path), device, DTYPES[config.dtype])
     sequences = tokenize_samples(tokenizer, samples, task.chat_template, _max_length(task, model))
     if not sequences:

@@ -18,8 +18,8 @@ from typing import Any
 from mergekit_bmm.errors import ConfigError, StatisticsError
 from mergekit_bmm.io.fingerprint import model_fingerprint, reference_fingerprint
 from mergekit_bmm.stats.config import StatsConfig, TaskConfig
-from mergekit_bmm.stats.hub import ResolvedModel, fetch_dataset, resolve_model
-from mergekit_bmm.stats.samples import data_fingerprint
+from mergekit_bmm.stats.hub import ResolvedModel, fetch_dataset, load_hub_dataset, resolve_model
+from mergekit_bmm.stats.samples import Sample, data_fingerprint, dataset_samples, read_samples
 from mergekit_bmm.stats.store import (
     FORMAT_VERSION,
     GRAM_DIR,
@@ -193,3 +193,12 @@ def reconcile(
             )
         todo.append(plan)
     return keep, todo, [recorded[name] for name in extra]
+
+
+def task_samples(plan: TaskPlan) -> list[Sample]:
+    """The task's first ``max_samples`` samples, from its local data or its Hub data set."""
+    task = plan.task
+    if plan.data_folder is not None:
+        dataset = load_hub_dataset(plan.data_folder, task.data, task.data_config, task.split)
+        return dataset_samples(dataset, task.data, task.text_field, task.max_samples, task.chat_template)
+    return read_samples(task.data, task.text_field, task.max_samples, task.split, task.chat_template)
