@@ -13,11 +13,11 @@ from tqdm.auto import tqdm
 from bench.merging import report
 from bench.merging.artifacts import Artifacts, say
 from bench.merging.cache import ScoreCache, stable_key
-from bench.merging.config import RunConfig, VariantSpec, limits
+from bench.merging.config import LabelFreeSpec, RunConfig, VariantSpec, limits
 from bench.merging.diagnostics import cached_moved_from_anchor, expert_alignment, task_update_norms
 from bench.merging.encoder import load_encoder
 from bench.merging.merging import recipe_key
-from bench.merging.model_scores import evaluator_block, merge_and_score
+from bench.merging.model_scores import evaluator_block, merge_and_score, search_evaluator
 from bench.merging.scoring import mean, score_model
 from bench.merging.searches import bmm_template, collect_stats, run_search, search_config, seed_record
 from mergekit_bmm.errors import ConfigError
@@ -134,9 +134,11 @@ def one_search(
     strategy: str,
     seed: int,
     variant: VariantSpec | None = None,
+    label_free: LabelFreeSpec | None = None,
 ) -> dict[str, Any]:
     """One ``mergekit-bmm-search``, its best model scored on validation and test; a ``variant``
-    changes the main searches' blocks, budget or task balance."""
+    changes the main searches' blocks, budget or task balance; ``label_free`` scores its trials with
+    no labels (the benchmark still scores its best model on validation and test)."""
     tasks = list(art.tasks.values())
     experts = [art.experts[task.name] for task in tasks]
     if setting == "data_assisted":
@@ -148,9 +150,11 @@ def one_search(
         spec = spec.model_copy(update={key: value for key, value in changes.items() if value is not None})
         if variant.task_balance is not None:
             template["parameters"]["task_balance"] = variant.task_balance
-    search = search_config(spec, template, evaluator_block(config, art, "validation"), strategy, seed)
+    search = search_config(spec, template, search_evaluator(config, art, label_free), strategy, seed)
     label = f"{anchor}-{setting}-{strategy}" + (f"-seed{seed}" if seed else "")
     label = f"{variant.name}-{label}" if variant is not None else label
+    objective = label_free.objective if label_free is not None else config.search.objective
+    label = f"{objective}-{label}" if objective != "labelled" else label
     folder = search_folder(config, cache_dir, label, search)
     factors = cache_dir / "factors" / config.name / f"{anchor}-{setting}"  # shared by the cell's searches
     started = time.time()
@@ -213,6 +217,17 @@ def bmm_stage(config: RunConfig, cache_dir: Path, art: Artifacts, results, setti
             row["candidate"] = bmm_defaults(config, cache_dir, art, anchor, setting, proposed)
         if config.search.evidence_lambda:  # λ from the evidence, s 1: one merge, no validation data
             row["auto"] = bmm_defaults(config, cache_dir, art, anchor, setting, {"lambda": "auto"})
+        for spec in config.search.label_free:  # the same search with no labels, same K and seed
+            if anchor in spec.anchors and setting in spec.settings:
+                outcome = one_search(
+                    config, cache_dir, art, anchor, setting, "bo", seeds[0]["seed"], None, spec
+                )
+                record = seed_record(outcome, list(art.tasks))
+                row.setdefault("label_free", {})[spec.objective] = record
+                say(
+                    f"bmm       {anchor:16s} {setting:13s} "
+                    f"no labels ({spec.objective}) {100 * record['avg']:.1f}"
+                )
         if anchor != "pretrained" and Path(first["best_dir"]).is_dir():
             row["moved"] = cached_moved_from_anchor(
                 Path(first["best_dir"]), art.anchors[anchor], art.encoder, cache_dir

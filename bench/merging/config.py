@@ -147,8 +147,35 @@ class StatsSpec(_Strict):
     batch_size: int = Field(default=8, ge=1)
 
 
+Objective = Literal["labelled", "agreement", "entropy"]
+
+
+class LabelFreeSpec(_Strict):
+    """Searches scored with no labels (``evaluator: {type: agreement}``) beside the labelled ones,
+    on the unlabelled text the statistics read (each task's ``split``, its first ``max_samples``)."""
+
+    objective: Literal["agreement", "entropy"] = "agreement"
+    anchors: list[str] = Field(default_factory=list, description="anchors to search over this way")
+    settings: list[Literal["data_free", "data_assisted"]] = ["data_free", "data_assisted"]
+    divergence: Literal["kl", "reverse_kl", "top1"] = Field(
+        default="kl", description="agreement's divergence from each expert (entropy ignores it)"
+    )
+    scale: Literal["base", "none"] = "base"
+    split: str = "train"
+    max_samples: int | None = Field(default=None, ge=1, description="texts per task (None: the stats')")
+
+
 class SearchSpec(_Strict):
     """``mergekit-bmm-search`` runs: BMM over each anchor, data-free and data-assisted."""
+
+    objective: Objective = Field(
+        default="labelled",
+        description="what the main searches score: validation accuracy (labelled), or with no labels, "
+        "agreement with the experts or the merge's entropy on the statistics' text (any task set, no labels)",
+    )
+    label_free: list[LabelFreeSpec] = Field(
+        default_factory=list, description="label-free searches beside the main ones, paired on test"
+    )
 
     anchors: list[str] = Field(default_factory=list, description="anchor names (`pretrained`, ...)")
     settings: list[Literal["data_free", "data_assisted"]] = ["data_free", "data_assisted"]

@@ -96,21 +96,30 @@ def verdict(summary: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
         if row.get("defaults_share") is not None:
             counts["search_gained"] += 1
             counts["defaults_reach_80"] += int(row["defaults_share"] >= DEFAULTS_BAR)
-        for kind in ("candidate", "auto"):  # a proposed default, λ from the evidence: the same bar
+        for kind in ("candidate", "auto", "agreement", "entropy"):  # the same bar for each: a proposed
+            # default, λ from the evidence, a search with no labels
             if row.get(f"{kind}_share") is not None:
                 counts[f"{kind}_reach_80"] = counts.get(f"{kind}_reach_80", 0) + int(
                     row[f"{kind}_share"] >= DEFAULTS_BAR
                 )
-        versus = row.get("auto_vs_defaults")  # the choice itself: would `auto` be the better default?
-        if versus is not None:
-            for key, won in (
-                ("auto_vs_defaults", True),
-                ("auto_above_defaults", versus["estimate"] > 0),
-                ("auto_below_defaults", versus["estimate"] < 0),
-                ("auto_surely_above_defaults", versus["low"] > 0),
-                ("auto_surely_below_defaults", versus["high"] < 0),
+        for key in (
+            "auto_vs_defaults",
+            "agreement_vs_defaults",
+            "entropy_vs_defaults",
+            "agreement_vs_entropy",
+        ):
+            versus = row.get(key)  # the choice itself: would it be the better default (or objective)?
+            if versus is None:
+                continue
+            kind, _, other = key.partition("_vs_")
+            for name, won in (
+                (key, True),
+                (f"{kind}_above_{other}", versus["estimate"] > 0),
+                (f"{kind}_below_{other}", versus["estimate"] < 0),
+                (f"{kind}_surely_above_{other}", versus["low"] > 0),
+                (f"{kind}_surely_below_{other}", versus["high"] < 0),
             ):
-                counts[key] = counts.get(key, 0) + int(won)
+                counts[name] = counts.get(name, 0) + int(won)
     return out
 
 

@@ -13,7 +13,7 @@ import yaml
 from bench.merging.anchor_tuning import materialise
 from bench.merging.artifacts import Artifacts
 from bench.merging.cache import ScoreCache, read_json, stable_key, write_json
-from bench.merging.config import RunConfig, limits
+from bench.merging.config import LabelFreeSpec, RunConfig, limits
 from bench.merging.encoder import load_encoder
 from bench.merging.merging import chooses_lambda, chosen_lambdas, recipe_key, run_mergekit
 from bench.merging.scoring import ScoredTask, score_model
@@ -136,6 +136,43 @@ def evaluator_block(config: RunConfig, art: Artifacts, split: str = "validation"
             for task in art.tasks.values()
         ],
     }
+
+
+def label_free_block(config: RunConfig, art: Artifacts, spec: LabelFreeSpec | None = None) -> dict[str, Any]:
+    """An ``evaluator: {type: agreement}`` block: every expert against the merge on its task's
+    unlabelled text (the statistics' split, through the task's zero-shot head); no labels read."""
+    spec = spec or LabelFreeSpec()
+    return {
+        "type": "agreement",
+        "objective": "entropy" if spec.objective == "entropy" else spec.divergence,
+        "scale": spec.scale,
+        "max_samples": spec.max_samples or config.stats.max_samples,
+        "max_length": config.max_length,
+        "batch_size": config.eval_batch_size,
+        "tasks": [
+            {
+                "name": task.name,
+                "model": str(art.experts[task.name]),
+                "data": str(task.data.data),
+                "split": spec.split,
+                "text_field": "text",
+                "head": str(task.head),
+            }
+            for task in art.tasks.values()
+        ],
+    }
+
+
+def search_evaluator(config: RunConfig, art: Artifacts, label_free: LabelFreeSpec | None) -> dict[str, Any]:
+    """What a search scores: validation accuracy, or (``label_free``, or ``search.objective`` other than
+    ``labelled``) the label-free objective."""
+    if label_free is None and config.search.objective != "labelled":
+        label_free = LabelFreeSpec(objective=config.search.objective)
+    return (
+        evaluator_block(config, art, "validation")
+        if label_free is None
+        else label_free_block(config, art, label_free)
+    )
 
 
 def write_manifest(config: RunConfig, cache_dir: Path, art: Artifacts) -> Path:

@@ -14,6 +14,8 @@ from bench.merging.artifacts import Artifacts
 from bench.merging.cache import ScoreCache
 from bench.merging.config import RunConfig, limits
 
+LABEL_FREE = ("agreement", "entropy")  # searches scored with no labels (config `search.label_free`)
+
 
 def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: dict[str, Any]) -> None:
     """95 % bootstrap intervals of every row's test average; for BMM rows the paired Δ against
@@ -66,17 +68,22 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
             continue
         cell = summary_row(anchor, setting, expected, anchors[anchor], anchors.get(best), indiv_flags)
         row = report.find_row(results, anchor, setting)
-        scored: dict[str, dict[str, list[bool]]] = {}  # each one-merge model's flags, read once
-        for kind in ("defaults", "candidate", "auto"):  # one merge, no search: today's defaults, a
-            merge = row.get(kind) or {}  # proposed one, λ from the evidence
+        scored: dict[str, dict[str, list[bool]]] = {}  # each model's flags, read once
+        # one merge, no search (today's defaults, a proposed one, λ from the evidence), then the
+        # searches that read no labels (agreement with the experts, AdaMerging's entropy)
+        merges = {kind: row.get(kind) or {} for kind in ("defaults", "candidate", "auto")}
+        merges.update(row.get("label_free") or {})
+        for kind, merge in merges.items():
             if not merge.get("model_id"):
                 continue
             scored[kind] = flags(merge["model_id"])
             estimate, low, high = paired_difference(scored[kind], anchors[anchor])
-            if kind == "auto":  # and against the search it would replace and the default it would
-                cell["auto_vs_search"] = _paired(scored[kind], expected)
+            if kind in ("auto", *LABEL_FREE):  # against the search it would replace, and the defaults
+                cell[f"{kind}_vs_search"] = _paired(scored[kind], expected)
                 if "defaults" in scored:
-                    cell["auto_vs_defaults"] = _paired(scored[kind], scored["defaults"])
+                    cell[f"{kind}_vs_defaults"] = _paired(scored[kind], scored["defaults"])
+            if kind == "entropy" and "agreement" in scored:  # the two label-free objectives
+                cell["agreement_vs_entropy"] = _paired(scored["agreement"], scored["entropy"])
             cell.update(
                 {
                     f"{kind}_score": merge["avg"],

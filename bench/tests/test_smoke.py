@@ -435,3 +435,67 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path, monkeypatch):
             run_cli(phase3, tmp_path)
     so_far = (tmp_path / "results" / "smoke" / "results.md").read_text()
     assert "ablation, variants; not yet run: language" in so_far and "## Variants" in so_far
+
+
+def test_label_free_searches_beside_the_labelled_one(tiny_run, tmp_path):
+    """``search.label_free``: the same search scored by agreement with the experts and by entropy on
+    the statistics' unlabelled text, its best model scored on test and paired with the labelled search,
+    the defaults and each other; ``search.objective`` makes the main searches label-free too."""
+    import shutil
+
+    root, config_path = tiny_run
+    config = yaml.safe_load(config_path.read_text())
+    free = {"anchors": ["task_arithmetic"], "settings": ["data_free"]}
+    config.update(
+        {
+            "evaluation": {"validation_limit": 12, "test_limit": 20},
+            "stats": {"max_samples": 4},
+            "search": {
+                "anchors": ["task_arithmetic"],
+                "settings": ["data_free"],
+                "blocks": 1,
+                "groups": ["attn_in+attn_out+mlp_in+mlp_out"],
+                "budget": 2,
+                "n_initial": 1,
+                "evidence_lambda": False,
+                "label_free": [{"objective": "agreement", **free}, {"objective": "entropy", **free}],
+            },
+        }
+    )
+    path = tmp_path / "label-free.yml"
+    path.write_text(yaml.safe_dump(config))
+    if (root / "cache").is_dir():
+        shutil.copytree(root / "cache", tmp_path / "cache")
+    result = run_cli(path, tmp_path, "--until", "bmm")
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results" / "smoke" / "results.json").read_text())
+    row = next(r for r in results["rows"] if r["setting"] == "data_free")
+    assert set(row["label_free"]) == {"agreement", "entropy"}
+    for record in row["label_free"].values():
+        assert 0 <= record["avg"] <= 1 and set(record["per_task"]) == {"mood", "topic"}
+        search = json.loads((Path(record["search"]) / "summary.json").read_text())
+        assert search["evaluator"]["type"] == "agreement"  # its trials read no labels
+    assert (
+        json.loads((Path(row["label_free"]["entropy"]["search"]) / "summary.json").read_text())["evaluator"][
+            "objective"
+        ]
+        == "entropy"
+    )
+    cell = results["summary"][0]
+    for key in (
+        "agreement_vs_search",
+        "agreement_vs_defaults",
+        "entropy_vs_defaults",
+        "agreement_vs_entropy",
+    ):
+        assert set(cell[key]) == {"estimate", "low", "high"}
+    assert results["verdict"]["data_free"]["agreement_vs_entropy"] == 1
+    text = (tmp_path / "results" / "smoke" / "results.md").read_text()
+    assert "searched with no labels, agreement with the experts" in text and "AdaMerging's entropy" in text
+    # the main searches themselves label-free: another search folder, its evaluator the agreement one
+    config["search"].update({"objective": "agreement", "label_free": []})
+    path.write_text(yaml.safe_dump(config))
+    assert run_cli(path, tmp_path, "--until", "bmm").exit_code == 0
+    results = json.loads((tmp_path / "results" / "smoke" / "results.json").read_text())
+    row = next(r for r in results["rows"] if r["setting"] == "data_free")
+    assert "agreement-task_arithmetic" in row["seeds"][0]["search"]

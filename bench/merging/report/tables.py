@@ -168,6 +168,12 @@ def summary_markdown(results: dict[str, Any]) -> str:
     evidence = any("auto_score" in cell for cell in summary)
     if evidence:
         header.append("BMM at `lambda: auto` (Δ; share; vs the search; vs the defaults)")
+    label_free = [kind for kind in LABEL_FREE_NAMES if any(f"{kind}_score" in cell for cell in summary)]
+    for kind in label_free:
+        header.append(
+            f"BMM searched with no labels, {LABEL_FREE_NAMES[kind]} "
+            "(Δ; share; vs the search; vs the defaults)"
+        )
     lines = table_head(header)
     for cell in summary:
         versus_best = (
@@ -186,6 +192,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
             f"{versus_best} | {lands} | {_defaults_cell(cell)} |"
             + (f" {_defaults_cell(cell, 'candidate')} |" if proposed else "")
             + (f" {_auto_cell(cell)} |" if evidence else "")
+            + "".join(f" {_auto_cell(cell, kind)} |" for kind in label_free)
         )
     counts = results.get("verdict") or {}
     tally = "; ".join(
@@ -232,16 +239,43 @@ def summary_markdown(results: dict[str, Any]) -> str:
     )
     if against:
         text += f"\n\n`lambda: auto` paired against BMM at its defaults (λ 0.1, s 1) on test — {against}."
+    for kind in label_free:
+        reach = "; ".join(
+            f"{mode}: {c.get(f'{kind}_reach_80', 0)} of the {c['search_gained']}"
+            for mode, c in counts.items()
+        )
+        versus = "; ".join(
+            f"{mode}: above for {c.get(f'{kind}_above_defaults', 0)} of {c[f'{kind}_vs_defaults']} "
+            f"({c.get(f'{kind}_surely_above_defaults', 0)} with the interval above zero)"
+            for mode, c in counts.items()
+            if c.get(f"{kind}_vs_defaults")
+        )
+        text += (
+            f"\n\nThe search with no labels ({LABEL_FREE_NAMES[kind]}, same K) reaching "
+            f"{100 * DEFAULTS_BAR:.0f} % of the labelled search's Δ on test — {reach}. "
+            f"Paired against BMM at its defaults — {versus or '–'}."
+        )
+    both = "; ".join(
+        f"{mode}: agreement above for {c.get('agreement_above_entropy', 0)} of {c['agreement_vs_entropy']} "
+        f"({c.get('agreement_surely_above_entropy', 0)} with the interval above zero)"
+        for mode, c in counts.items()
+        if c.get("agreement_vs_entropy")
+    )
+    if both:
+        text += f" Agreement against entropy, paired — {both}."
     return text
 
 
-def _auto_cell(cell: dict[str, Any]) -> str:
-    """The ``lambda: auto`` merge: against the anchor (share of the search's Δ), the search and the
-    defaults (both paired)."""
-    if "auto_score" not in cell:
+LABEL_FREE_NAMES = {"agreement": "agreement with the experts", "entropy": "AdaMerging's entropy"}
+
+
+def _auto_cell(cell: dict[str, Any], kind: str = "auto") -> str:
+    """A model chosen without validation labels (``lambda: auto``, a label-free search): against the
+    anchor (share of the search's Δ), the labelled search and the defaults (both paired)."""
+    if f"{kind}_score" not in cell:
         return "–"
-    text = _defaults_cell(cell, "auto")
-    for key in ("auto_vs_search", "auto_vs_defaults"):
+    text = _defaults_cell(cell, kind)
+    for key in (f"{kind}_vs_search", f"{kind}_vs_defaults"):
         text += f"; {interval_text(cell[key], True)}" if cell.get(key) else "; –"
     return text
 
