@@ -81,7 +81,7 @@ class TaskData:
         start, end = self.offsets[index], self.offsets[index + 1]
         return Reference(
             self.reference.top_log_probs[start:end],
-            self.reference.top_index[start:end],
+            self.reference.top_index[start:end].long(),  # int32 in memory: 4 + 4 bytes a kept outcome
             self.reference.rest_log_prob[start:end],
         )
 
@@ -160,7 +160,7 @@ class References:
         positions = tensors["position_offsets"].tolist()
         rows = [ids[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
         reference = Reference(
-            tensors["top_log_probs"].float(), tensors["top_index"].long(), tensors["rest_log_prob"].float()
+            tensors["top_log_probs"].float(), tensors["top_index"], tensors["rest_log_prob"].float()
         )
         if len(rows) != recorded.texts or reference.top_index.shape[0] != recorded.positions:
             raise ValueError(f"{len(rows)} texts and {reference.top_index.shape[0]} positions")
@@ -259,7 +259,7 @@ class References:
             offsets.append(offsets[-1] + part.top_index.shape[0])
         reference = Reference(
             torch.cat([p.top_log_probs for p in parts]),
-            torch.cat([p.top_index for p in parts]),
+            torch.cat([p.top_index.to(torch.int32) for p in parts]),
             torch.cat([p.rest_log_prob for p in parts]),
         )
         recorded = wanted.model_copy(
