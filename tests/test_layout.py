@@ -66,7 +66,7 @@ def _imports(folder: str) -> set[str]:
 # The pipeline from the bottom up (docs/development.md): a module imports only from its own
 # folder or one below it.
 PIPELINE = (
-    "errors", "io", "devices", "core", "anchors", "recipes", "evaluation", "stats", "merge_methods",
+    "errors", "io", "devices", "core", "anchors", "recipes", "stats", "evaluation", "merge_methods",
     "cards", "sampling", "plugin", "adapters", "search", "examples", "ensemble", "cli",
 )  # fmt: skip
 

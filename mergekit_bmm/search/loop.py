@@ -135,14 +135,11 @@ class SearchRun:
         )
         self._keep_recorded_box()
         self.proposer = make_proposer(self.experiment.space, self.config, self._start())
-        self.evaluator = make_evaluator(self.config.evaluator, self.device)
-        prepare = getattr(self.evaluator, "prepare", None)  # the label-free evaluator
-        if prepare is not None:
-            self.evaluator.check_recipe(self.experiment.template)  # before OUT_PATH is touched
+        self.evaluator = make_evaluator(self.config.evaluator, self.device)  # label-free: recipe checked,
+        getattr(self.evaluator, "check_recipe", lambda _: None)(self.experiment.template)  # then references
         resumed = self._open_folder(self.experiment)
         try:
-            if prepare is not None:  # the experts' references: read, or computed once for the search
-                prepare(self.experiment.template, self.echo)
+            getattr(self.evaluator, "prepare", lambda *_: None)(self.experiment.template, self.echo)
             return self._run_locked(resumed)
         finally:
             self.folder.unlock()
