@@ -682,3 +682,21 @@ def test_the_report_lists_what_the_search_does_not_tune(family, tmp_path):
     assert "not searched, at the recipe's lambda: attn_out (lambda 0.1), mlp_in (lambda 0.1)" in result.report
     kept = "outside every module group, kept at the anchor's value: lm_head.weight, model.embed_tokens.weight"
     assert kept in result.report
+
+
+def test_a_failing_search_under_quiet_prints_one_line(family, tmp_path):
+    """Every trial's evaluator fails: with ``--quiet`` the one error line is all (the merges' notes on
+    what they keep at the anchor belong to the report, not to every trial)."""
+    evaluator = python_evaluator("fails_on", folder=True, trials=list(range(10)))
+    search_file = tmp_path / "search.yml"
+    search_file.write_text(yaml.safe_dump(config_dict(family, evaluator, budget=6, n_initial=3)))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [str(BIN / "mergekit-bmm-search"), str(search_file), str(tmp_path / "out"), "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1, lines
+    assert lines[0].startswith("mergekit-bmm: error: 3 trials in a row failed")

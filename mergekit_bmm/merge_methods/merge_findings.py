@@ -8,6 +8,8 @@ not pile up; :func:`drained` hands a finished merge's findings over.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mergekit_bmm.merge_methods import chosen_lambdas, kept_at_anchor
@@ -16,6 +18,18 @@ from mergekit_bmm.merge_methods.tally import Tally
 LOG = logging.getLogger("mergekit_bmm")
 
 _low_rank: Tally[int] = Tally()  # weight name -> the subspace's dimension k = Σ r_t
+_silenced = 0  # > 0 inside a search's trials: their merges say nothing the first merge and report did not
+
+
+@contextmanager
+def summaries_silenced() -> Iterator[None]:
+    """Merges inside this block log no end-of-merge lines (a search's trials: the report has them)."""
+    global _silenced
+    _silenced += 1
+    try:
+        yield
+    finally:
+        _silenced -= 1
 
 
 @dataclass
@@ -42,6 +56,8 @@ def drained() -> MergeFindings:
 
 def log_summary(findings: MergeFindings) -> None:
     """One line per kind of finding, at warning level (shown by mergekit-yaml without ``-v``)."""
+    if _silenced:
+        return
     kept_at_anchor.log_summary(findings.kept_at_anchor)
     chosen_lambdas.log_summary(findings.lambda_auto)
     if findings.low_rank:

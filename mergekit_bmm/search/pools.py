@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from mergekit_bmm.merge_methods.merge_findings import summaries_silenced
 from mergekit_bmm.search.experiment import Experiment
 from mergekit_bmm.search.resident import choose_runner
 from mergekit_bmm.search.trials import (
@@ -61,7 +62,7 @@ class SerialPool:
         for trial in trials:
             sent = time.perf_counter()
             try:
-                with alarm(trial.timeout):
+                with alarm(trial.timeout), summaries_silenced():  # the report says what merges keep
                     outcome = self.runner.run(trial)
             except TrialTimeout:
                 outcome = TrialOutcome(error=timeout_error(trial.timeout, restarted=False))

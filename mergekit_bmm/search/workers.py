@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_bmm.errors import BMMError, find_bmm_error
+from mergekit_bmm.merge_methods.merge_findings import summaries_silenced
 from mergekit_bmm.search.resident import choose_runner
 from mergekit_bmm.search.trials import PlannedTrial, TrialOutcome
 
@@ -71,17 +72,18 @@ class TrialWorker:
         evaluator = make_evaluator(config.evaluator, spec.device)
         options = MergeOptions(**spec.merge_options)
         messages: list[str] = []
-        self.choice = choose_runner(
-            experiment,
-            evaluator,
-            Path(spec.work_dir),
-            options,
-            messages.append,
-            spec.trials,
-            spec.cache_dir is not None,
-            spec.max_memory,
-            config.fidelity,
-        )
+        with summaries_silenced():  # the first merge (and the report) say what the merges keep
+            self.choice = choose_runner(
+                experiment,
+                evaluator,
+                Path(spec.work_dir),
+                options,
+                messages.append,
+                spec.trials,
+                spec.cache_dir is not None,
+                spec.max_memory,
+                config.fidelity,
+            )
         self.evaluator = evaluator
         self.ready = WorkerReady(
             self.choice.mode,
@@ -93,7 +95,8 @@ class TrialWorker:
         )
 
     def run(self, trial: PlannedTrial) -> TrialOutcome:
-        return self.choice.runner.run(trial)
+        with summaries_silenced():
+            return self.choice.runner.run(trial)
 
     def close(self) -> None:
         self.choice.runner.close()
