@@ -230,13 +230,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
             " BMM at `lambda: auto` (λ per weight from the evidence, s 1; no validation data) reaching it "
             f"— {automatic}."
         )
-    against = "; ".join(
-        f"{mode}: below them for {c['auto_below_defaults']} of {c['auto_vs_defaults']} "
-        f"({c['auto_surely_below_defaults']} with the interval below zero), above for "
-        f"{c['auto_above_defaults']} ({c['auto_surely_above_defaults']} with it above)"
-        for mode, c in counts.items()
-        if c.get("auto_vs_defaults")
-    )
+    against = _paired_tally(counts, "auto", "defaults")
     if against:
         text += f"\n\n`lambda: auto` paired against BMM at its defaults (λ 0.1, s 1) on test — {against}."
     for kind in label_free:
@@ -244,26 +238,28 @@ def summary_markdown(results: dict[str, Any]) -> str:
             f"{mode}: {c.get(f'{kind}_reach_80', 0)} of the {c['search_gained']}"
             for mode, c in counts.items()
         )
-        versus = "; ".join(
-            f"{mode}: above for {c.get(f'{kind}_above_defaults', 0)} of {c[f'{kind}_vs_defaults']} "
-            f"({c.get(f'{kind}_surely_above_defaults', 0)} with the interval above zero)"
-            for mode, c in counts.items()
-            if c.get(f"{kind}_vs_defaults")
-        )
+        versus = _paired_tally(counts, kind, "defaults")
         text += (
             f"\n\nThe search with no labels ({LABEL_FREE_NAMES[kind]}, same K) reaching "
             f"{100 * DEFAULTS_BAR:.0f} % of the labelled search's Δ on test — {reach}. "
             f"Paired against BMM at its defaults — {versus or '–'}."
         )
-    both = "; ".join(
-        f"{mode}: agreement above for {c.get('agreement_above_entropy', 0)} of {c['agreement_vs_entropy']} "
-        f"({c.get('agreement_surely_above_entropy', 0)} with the interval above zero)"
-        for mode, c in counts.items()
-        if c.get("agreement_vs_entropy")
-    )
+    both = _paired_tally(counts, "agreement", "entropy")
     if both:
         text += f" Agreement against entropy, paired — {both}."
     return text
+
+
+def _paired_tally(counts: dict[str, dict[str, int]], kind: str, other: str) -> str:
+    """Per mode: over how many anchors ``kind`` was above and below ``other`` on test, paired, and how
+    often with the interval clear of zero (the counts of :func:`bench.merging.evidence.verdict`)."""
+    return "; ".join(
+        f"{mode}: above for {c.get(f'{kind}_above_{other}', 0)} of {c[f'{kind}_vs_{other}']} "
+        f"({c.get(f'{kind}_surely_above_{other}', 0)} with the interval above zero), below for "
+        f"{c.get(f'{kind}_below_{other}', 0)} ({c.get(f'{kind}_surely_below_{other}', 0)} with it below zero)"
+        for mode, c in counts.items()
+        if c.get(f"{kind}_vs_{other}")
+    )
 
 
 LABEL_FREE_NAMES = {"agreement": "agreement with the experts", "entropy": "AdaMerging's entropy"}
