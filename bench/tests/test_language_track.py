@@ -212,3 +212,28 @@ def test_the_lora_picture_draws_each_bmm_against_every_other_merge(tmp_path):
     path = plot_lora_intervals({"rank": 16, "intervals": found}, tmp_path / "lora.png")
     assert path is not None and path.stat().st_size > 10_000
     assert plot_lora_intervals({"rank": 16, "intervals": {}}, tmp_path / "none.png") is None
+
+
+def test_label_free_evaluator_reads_the_training_prompts_and_no_label(mc_task, tiny_llama, tmp_path):
+    """The language track's label-free block: each expert against the merge on its task's training
+    prompts (the `query` field); the base scores 0 on the share of its gap closed, the expert 1."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.merging.config import LabelFreeSpec
+    from bench.merging.language.label_free import bmm_models, label_free_evaluator
+    from mergekit_bmm.evaluation import make_evaluator
+    from mergekit_bmm.evaluation.config import AgreementEvaluatorConfig
+
+    block = label_free_evaluator(LabelFreeSpec(), [mc_task], [tiny_llama.experts[0]], 32, 4)
+    assert block["tasks"][0]["text_field"] == "query"
+    assert set(block["tasks"][0]) == {"name", "model", "data", "text_field", "split"}  # no label field
+    config = AgreementEvaluatorConfig.model_validate({**block, "base_model": str(tiny_llama.base)})
+    evaluator = make_evaluator(config, "cpu")
+    assert len(evaluator.tasks[0].samples) == 20  # the train split's prompts
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama.base)
+    for path, expected in ((tiny_llama.base, 0.0), (tiny_llama.experts[0], 1.0)):
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        assert evaluator.evaluate_model(model, tokenizer)["mood_mc"] == pytest.approx(expected, abs=1e-4)
+    bmm = {"model_id": "a", "defaults": {"model_id": "b"}, "auto": {"model_id": "c"}}
+    bmm["label_free"] = {"agreement": {"model_id": "d"}}
+    assert bmm_models("ties", bmm)["bmm agreement over ties"] == "d"

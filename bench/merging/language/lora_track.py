@@ -29,6 +29,7 @@ from bench.merging.cache import ScoreCache, Stage, model_folder_fingerprint, sta
 from bench.merging.config import LoraTrackSpec, RunConfig
 from bench.merging.finetune import deterministic
 from bench.merging.intervals import paired_difference
+from bench.merging.language.label_free import bmm_models
 from bench.merging.language.lm_eval_runner import score_lm, summarize, test_documents
 from bench.merging.language.lm_finetune import collate, encode_example
 from bench.merging.language.mc_tasks import MCTask
@@ -184,9 +185,7 @@ def run_lora_track(
         models[anchor_spec.name] = anchor["model_id"]
         if "bmm" in anchor:
             bmm = anchor["bmm"]
-            models[f"bmm over {anchor_spec.name}"] = bmm["model_id"]
-            models[f"bmm defaults over {anchor_spec.name}"] = bmm["defaults"]["model_id"]
-            models[f"bmm auto over {anchor_spec.name}"] = bmm["auto"]["model_id"]
+            models.update(bmm_models(anchor_spec.name, bmm))
     out["peft"] = {}
     ordered = [adapters[t.name] for t in tasks]
     for method in spec.peft_methods:

@@ -19,6 +19,7 @@ from bench.merging.cache import ScoreCache, write_json
 from bench.merging.config import RunConfig
 from bench.merging.intervals import paired_difference
 from bench.merging.language.convert import prepare_language_model
+from bench.merging.language.label_free import bmm_models, label_free_searches
 from bench.merging.language.lm_eval_runner import (
     lm_score_key,
     needs_scoring,
@@ -123,18 +124,14 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
         out["bmm"] = _bmm_over_anchor(
             config, cache_dir, model_dir, "task_arithmetic", anchor_dir, expert_dirs, tasks, include, timings
         )
-        models["bmm over task_arithmetic"] = out["bmm"]["model_id"]
-        models["bmm defaults over task_arithmetic"] = out["bmm"]["defaults"]["model_id"]
-        models["bmm auto over task_arithmetic"] = out["bmm"]["auto"]["model_id"]
+        models.update(bmm_models("task_arithmetic", out["bmm"]))
     out["anchors"] = {}
     for anchor_spec in spec.anchors:
         anchor = tuned_anchor(config, cache_dir, anchor_spec, model_dir, expert_dirs, tasks, include, timings)
         out["anchors"][anchor_spec.name] = anchor
         models[anchor_spec.name] = anchor["model_id"]
         if "bmm" in anchor:
-            models[f"bmm over {anchor_spec.name}"] = anchor["bmm"]["model_id"]
-            models[f"bmm defaults over {anchor_spec.name}"] = anchor["bmm"]["defaults"]["model_id"]
-            models[f"bmm auto over {anchor_spec.name}"] = anchor["bmm"]["auto"]["model_id"]
+            models.update(bmm_models(anchor_spec.name, anchor["bmm"]))
     if spec.lora.enabled:  # the same tasks with LoRA experts: BMM against PEFT's adapter merges
         from bench.merging.language.lora_track import run_lora_track
 
@@ -257,7 +254,9 @@ def _bmm_over_anchor(
     chosen: dict[str, Any] = {}
     auto = merge_and_score_lm(automatic, jobs, include, cache, batch, limit, work, {}, chosen)
     shutil.rmtree(work, ignore_errors=True)
+    label_free = label_free_searches(config, cache_dir, anchor, template, tasks, experts, include, jobs)
     return {
+        **({"label_free": label_free} if label_free else {}),
         "anchor": anchor,
         "model_id": model_id,
         "setting": "data_free",

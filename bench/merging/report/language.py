@@ -101,8 +101,8 @@ def _anchor_rows(row, anchors: dict[str, Any]) -> list[str]:
 
 
 def _one_merge_rows(row, anchor: str, bmm: dict) -> list[str]:
-    """BMM over ``anchor`` with no search: at its defaults, and at ``lambda: auto`` (with the median λ
-    the evidence chose)."""
+    """BMM over ``anchor`` with no labels: at its defaults, at ``lambda: auto`` (with the median λ
+    the evidence chose), and searched on agreement with the experts (or entropy)."""
     lines = []
     if "defaults" in bmm:
         lines.append(row(f"BMM over {anchor} at its defaults", bmm["defaults"]["scores"]))
@@ -110,4 +110,6 @@ def _one_merge_rows(row, anchor: str, bmm: dict) -> list[str]:
         chosen = [c["lambda"] for c in (bmm["auto"].get("lambda_auto") or {}).values()]
         median = f", median λ {sorted(chosen)[len(chosen) // 2]:.3g}" if chosen else ""
         lines.append(row(f"BMM over {anchor} at lambda: auto{median}", bmm["auto"]["scores"]))
+    for objective, entry in (bmm.get("label_free") or {}).items():  # searched, but read no labels
+        lines.append(row(f"BMM over {anchor} searched with no labels ({objective})", entry["scores"]))
     return lines

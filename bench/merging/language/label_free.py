@@ -1,0 +1,85 @@
+"""The language track's searches that read no labels, and the names its paired intervals give BMM's models.
+
+A label-free search scores each trial by agreement with the experts (or AdaMerging's entropy) on
+every task's unlabelled training prompts (``evaluator: {type: agreement}``); its best model is then
+scored with lm-eval on validation and test like every other model of the track.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tqdm.auto import tqdm
+
+from bench.merging.cache import ScoreCache, stable_key
+from bench.merging.config import RunConfig
+from bench.merging.language.lm_eval_runner import score_lm, summarize
+from bench.merging.merging import recipe_key
+from bench.merging.searches import run_search, search_config
+
+
+def bmm_models(anchor: str, bmm: dict[str, Any]) -> dict[str, str]:
+    """The models of BMM over one anchor, by the names the paired intervals use: searched on
+    validation, at its defaults, at ``lambda: auto``, and each search that read no labels."""
+    models = {
+        f"bmm over {anchor}": bmm["model_id"],
+        f"bmm defaults over {anchor}": bmm["defaults"]["model_id"],
+        f"bmm auto over {anchor}": bmm["auto"]["model_id"],
+    }
+    for objective, entry in (bmm.get("label_free") or {}).items():
+        models[f"bmm {objective} over {anchor}"] = entry["model_id"]
+    return models
+
+
+def label_free_evaluator(spec: Any, tasks, experts, max_length: int, batch: int) -> dict[str, Any]:
+    """An ``evaluator: {type: agreement}`` block: each expert against the merge on its task's
+    unlabelled training prompts (the text its statistics would read); no answer, no label."""
+    return {
+        "type": "agreement",
+        "objective": "entropy" if spec.objective == "entropy" else spec.divergence,
+        "scale": spec.scale,
+        "max_samples": spec.max_samples or 128,
+        "max_length": max_length,
+        "batch_size": batch,
+        "tasks": [
+            {
+                "name": task.name,
+                "model": str(expert),
+                "data": str(task.file(spec.split)),
+                "text_field": "query",
+                "split": spec.split,
+            }
+            for task, expert in zip(tasks, experts)
+        ],
+    }
+
+
+def label_free_searches(
+    config: RunConfig, cache_dir: Path, anchor: str, template: dict[str, Any], tasks, experts, include, jobs
+) -> dict[str, dict[str, Any]]:
+    """Per label-free objective configured for ``anchor``: the search (same K and seed as the labelled
+    one) and its best model's lm-eval scores."""
+    spec = config.language
+    cache, limit, batch = ScoreCache(cache_dir), spec.eval_limit, spec.eval_batch_size
+    out = {}
+    for free in spec.search.label_free:
+        if anchor not in free.anchors or "data_free" not in free.settings:
+            continue
+        evaluator = label_free_evaluator(free, tasks, experts, spec.max_length, batch)
+        search = search_config(spec.search, template, evaluator, "bo", spec.search.seeds[0])
+        key = stable_key({k: v for k, v in search.items() if k != "budget"})
+        folder = cache_dir / "searches" / config.name / f"language-{free.objective}-{anchor}-data_free-{key}"
+        tqdm.write(f"LM bmm    search over {anchor} with no labels ({free.objective}) -> {folder}")
+        found = run_search(search, folder, spec.search.threads, spec.search.workers)
+        recipe = yaml.safe_load(found["best_yml"].read_text(encoding="utf-8"))
+        scores, _ = score_lm(recipe_key(recipe), found["best_dir"], jobs, include, cache, batch, limit)
+        out[free.objective] = {
+            "model_id": recipe_key(recipe),
+            "best_values": found["best_values"],
+            "search_score": found["best_validation"],
+            "scores": summarize(scores),
+            "search": str(folder),
+        }
+    return out
