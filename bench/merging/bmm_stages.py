@@ -224,6 +224,10 @@ def bmm_stage(config: RunConfig, cache_dir: Path, art: Artifacts, results, setti
                 )
                 record = seed_record(outcome, list(art.tasks))
                 row.setdefault("label_free", {})[spec.objective] = record
+                if anchor in spec.trace:  # every trial against test: does the objective transfer?
+                    from bench.merging.label_free_trace import trace_search
+
+                    record["trace"] = trace_search(config, cache_dir, art, spec, Path(outcome["folder"]))
                 say(
                     f"bmm       {anchor:16s} {setting:13s} "
                     f"no labels ({spec.objective}) {100 * record['avg']:.1f}"

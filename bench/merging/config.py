@@ -163,6 +163,11 @@ class LabelFreeSpec(_Strict):
     scale: Literal["base", "none"] = "base"
     split: str = "train"
     max_samples: int | None = Field(default=None, ge=1, description="texts per task (None: the stats')")
+    trace: list[str] = Field(
+        default_factory=list,
+        description="anchors whose label-free search is traced: every trial re-merged, scored on test and "
+        "under every objective (does a better agreement mean a better model?)",
+    )
 
 
 class SearchSpec(_Strict):

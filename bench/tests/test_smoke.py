@@ -455,10 +455,13 @@ def test_label_free_searches_beside_the_labelled_one(tiny_run, tmp_path):
                 "settings": ["data_free"],
                 "blocks": 1,
                 "groups": ["attn_in+attn_out+mlp_in+mlp_out"],
-                "budget": 2,
-                "n_initial": 1,
+                "budget": 3,
+                "n_initial": 2,
                 "evidence_lambda": False,
-                "label_free": [{"objective": "agreement", **free}, {"objective": "entropy", **free}],
+                "label_free": [
+                    {"objective": "agreement", "trace": ["task_arithmetic"], **free},
+                    {"objective": "entropy", **free},
+                ],
             },
         }
     )
@@ -492,6 +495,14 @@ def test_label_free_searches_beside_the_labelled_one(tiny_run, tmp_path):
     assert results["verdict"]["data_free"]["agreement_vs_entropy"] == 1
     text = (tmp_path / "results" / "smoke" / "results.md").read_text()
     assert "searched with no labels, agreement with the experts" in text and "AdaMerging's entropy" in text
+    trace = row["label_free"]["agreement"]["trace"]  # every trial re-merged: its test and every objective
+    assert len(trace["trials"]) == 3 and all(0 <= t["test_avg"] <= 1 for t in trace["trials"])
+    assert set(trace["trials"][0]["divergences"]) == {"kl", "reverse_kl", "top1", "entropy"}
+    assert set(trace["correlations"]) == {
+        f"{o}/{s}" for o in ("kl", "reverse_kl", "top1", "entropy") for s in ("base", "none")
+    }
+    assert "does a better agreement mean a better model?" in text
+    assert (tmp_path / "results" / "smoke" / "label_free.png").is_file()
     # the main searches themselves label-free: another search folder, its evaluator the agreement one
     config["search"].update({"objective": "agreement", "label_free": []})
     path.write_text(yaml.safe_dump(config))

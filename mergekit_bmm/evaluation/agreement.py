@@ -82,6 +82,10 @@ class AgreementEvaluator:
                     "use `scale: none`, or text on which the expert differs from the base"
                 )
 
+    def base_divergence(self) -> dict[str, float]:
+        """Per task, the base model's mean divergence under this objective (``scale: base`` divides by it)."""
+        return {name: data.base_divergence[self.config.objective] for name, data in self._ready().items()}
+
     def _ready(self) -> dict[str, TaskData]:
         if self._data is None:
             self.prepare()

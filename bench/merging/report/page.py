@@ -7,6 +7,7 @@ from typing import Any
 
 from bench.merging.cache import write_json
 from bench.merging.report.explain import diagnostics_markdown, sweeps_markdown
+from bench.merging.report.label_free import plot_trace, trace_markdown
 from bench.merging.report.language import language_markdown
 from bench.merging.report.plots import (
     plot,
@@ -53,6 +54,11 @@ def write(results: dict[str, Any], folder: Path) -> None:
                 "![lambda auto](lambda_auto.png)",
                 "",
             ]
+    traced = trace_markdown(results)
+    if traced:
+        text += ["## Without labels: does a better agreement mean a better model?", "", traced, ""]
+        if plot_trace(results, folder / "label_free.png"):
+            text += ["![label-free score against test accuracy along the search](label_free.png)", ""]
     if len(results["rows"]) > 1:  # a run stopped before the searches still shows its anchors
         text += ["## Anchors and BMM (Table 1 in kind)", "", table1(results), ""]
         if panels:

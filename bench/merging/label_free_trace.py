@@ -1,0 +1,133 @@
+"""Does a better agreement mean a better model? Every trial of a label-free search, re-merged and scored.
+
+Each trial's recipe (``trials/trial-NNNN.yml``) is merged again, scored on test by the benchmark's own
+scorer, and read by the label-free evaluator under every objective (KL, reverse KL, top-1, entropy;
+raw divergences, from which the base-scaled scores follow). Across the trials, the rank correlation of
+each objective with test accuracy says which objective transfers best and whether tasks are better
+put on one scale by the base's gap (``scale: base``) or left raw. Cached per trial model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.merging.artifacts import Artifacts
+from bench.merging.cache import ScoreCache, read_json, write_json
+from bench.merging.config import LabelFreeSpec, RunConfig, limits
+from bench.merging.encoder import load_encoder
+from bench.merging.merging import recipe_key, run_mergekit
+from bench.merging.scoring import mean, score_model
+
+OBJECTIVES = ("kl", "reverse_kl", "top1", "entropy")
+
+
+def _evaluators(config: RunConfig, art: Artifacts, spec: LabelFreeSpec, references: Path) -> dict[str, Any]:
+    """One evaluator per objective, raw divergences (``scale: none``), sharing the search's references."""
+    from bench.merging.model_scores import label_free_block
+    from mergekit_bmm.evaluation import make_evaluator
+    from mergekit_bmm.evaluation.config import AgreementEvaluatorConfig
+
+    out = {}
+    for objective in OBJECTIVES:
+        block = label_free_block(config, art, spec.model_copy(update={"scale": "none"}))
+        block.update(objective=objective, references=str(references), base_model=str(art.encoder))
+        out[objective] = make_evaluator(AgreementEvaluatorConfig.model_validate(block), "cpu")
+        out[objective].prepare()
+    return out
+
+
+def _trial_records(folder: Path) -> list[dict[str, Any]]:
+    lines = (folder / "trials.jsonl").read_text(encoding="utf-8").splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    return [r for r in records if "event" not in r and r.get("status") == "ok"]
+
+
+def trace_search(
+    config: RunConfig, cache_dir: Path, art: Artifacts, spec: LabelFreeSpec, folder: Path
+) -> dict[str, Any]:
+    """Per trial of the search in ``folder``: its search score, test average and every objective's raw
+    divergence per task; then each objective's rank correlation with the test average."""
+    tasks = list(art.tasks.values())
+    evaluators = _evaluators(config, art, spec, folder / "references")
+    # each task's base divergence per objective (the base-scaled score's denominator)
+    gaps = {objective: evaluator.base_divergence() for objective, evaluator in evaluators.items()}
+    cache, work = ScoreCache(cache_dir), cache_dir / "merges" / "trace-work"
+    trials = []
+    for record in _trial_records(folder):
+        recipe = yaml.safe_load((folder / record["yaml"]).read_text(encoding="utf-8"))
+        recipe["parameters"].pop("cache", None)  # where the factors were kept does not change the model
+        key = recipe_key(recipe)
+        stored = cache_dir / "label_free_trace" / f"{key.split(':')[1]}.json"
+        if not stored.is_file():
+            out = run_mergekit(recipe, work / key.split(":")[1])
+            model, tokenizer = load_encoder(out, config.work_threads)
+            divergences = {
+                objective: {
+                    name: -value for name, value in evaluator.evaluate_model(model, tokenizer).items()
+                }
+                for objective, evaluator in evaluators.items()
+            }
+            jobs = [(t, "test") for t in tasks]
+            scores = score_model(
+                key,
+                lambda loaded=(model, tokenizer): loaded,
+                jobs,
+                config.max_length,
+                config.eval_batch_size,
+                cache,
+                "trace",
+                limits(config),
+            )
+            write_json(
+                stored,
+                {"divergences": divergences, "test": {t.name: scores[(t.name, "test")] for t in tasks}},
+            )
+            shutil.rmtree(work, ignore_errors=True)
+        found = read_json(stored)
+        trials.append(
+            {
+                "trial": record["trial"],
+                "search_score": record["score"],
+                "test_avg": round(mean(list(found["test"].values())), 4),
+                "divergences": found["divergences"],
+            }
+        )
+    return {"trials": trials, "base_divergence": gaps, "correlations": correlations(trials, gaps)}
+
+
+def objective_scores(trial: dict[str, Any], gaps: dict[str, dict[str, float]]) -> dict[str, float]:
+    """A trial's score under every objective and scale: ``{objective}/base`` (mean over tasks of
+    ``1 − D/D_base``) and ``{objective}/none`` (mean of ``−D``)."""
+    out = {}
+    for objective, per_task in trial["divergences"].items():
+        gap = gaps[objective]  # a base that already matches an expert leaves the scale undefined (NaN)
+        out[f"{objective}/base"] = mean(
+            [1.0 - value / gap[task] if gap[task] > 1e-12 else math.nan for task, value in per_task.items()]
+        )
+        out[f"{objective}/none"] = mean([-value for value in per_task.values()])
+    return out
+
+
+def correlations(trials: list[dict[str, Any]], gaps: dict[str, dict[str, float]]) -> dict[str, float | None]:
+    """Spearman's rank correlation of each objective/scale with the test average over the trials."""
+    from scipy.stats import spearmanr
+
+    if len(trials) < 3:
+        return {}
+    scored = [objective_scores(trial, gaps) for trial in trials]
+    tests = [trial["test_avg"] for trial in trials]
+    out: dict[str, float | None] = {}
+    for name in scored[0]:
+        values = [row[name] for row in scored]
+        if any(math.isnan(value) for value in values):
+            out[name] = None
+            continue
+        rho = spearmanr(values, tests).statistic
+        out[name] = None if math.isnan(rho) else round(float(rho), 3)  # NaN: a constant objective
+    return out
