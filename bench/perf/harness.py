@@ -1,0 +1,244 @@
+"""The one timing protocol of the performance workloads (``python -m bench.perf NAME``).
+
+A workload declares what is timed (jobs, each optionally paired with a baseline job) on which
+generated models; the protocol is this module's, the same for every workload:
+
+- OpenMP's wait policy is left as the user's process has it, and printed (sleeping waits cost
+  many-small-product paths up to 0.13 s a merge, docs/performance.md);
+- every run writes into a fresh output folder; the previous one is deleted and every write flushed
+  first, untimed (a write into freshly freed blocks of a disk mounted with ``discard`` stalls);
+- the jobs of a group run in turn, round by round, the order reversed every other round, so a job
+  and its baseline alternate who goes first and a slow spell falls on both;
+- warm-up rounds run first and are dropped;
+- each job: the median of its rounds with min and max, its ratio to its baseline as the median of
+  the rounds' own ratios (min, max), and its peak private memory (``RssAnon``) and RSS;
+- a header with the machine and the library versions; the table is also written as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import PeakSampler, reset_peak_rss
+from mergekit_bmm.merge_methods.merge_findings import summaries_silenced
+
+
+@dataclass
+class Job:
+    """One timed thing: ``run(out)`` writes into ``out`` (a fresh folder) or ignores it."""
+
+    label: str
+    run: Callable[[Path], object]
+    baseline: str | None = None  # the job of the same group it is paired with
+
+
+@dataclass
+class Group:
+    """Jobs that alternate round by round; ``rounds`` None: the run's rounds (1 for a one-off)."""
+
+    jobs: list[Job]
+    rounds: int | None = None
+    warmup: int | None = None
+
+
+@dataclass
+class Workload:
+    """A performance workload: its sizes, and how a size becomes groups of jobs (and untimed figures)."""
+
+    name: str
+    summary: str
+    sizes: dict[str, dict[str, Any]]  # "quick" (the test suite's), "full" (the reported figures)
+    # groups in the order they run; a callable makes its group only when its turn comes (a resident
+    # model loaded for the last group must not count in the memory of the merges before it)
+    build: Callable[[dict[str, Any], Path], list[Group | Callable[[], Group]]]
+    figures: Callable[[dict[str, Any], Path], dict[str, Any]] | None = (
+        None  # after the timing: accuracy, sizes
+    )
+    notes: Callable[[dict[str, Any]], str] | None = None  # one line: the shape measured
+
+
+@dataclass
+class Row:
+    label: str
+    runs: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    baseline: str | None = None
+    private_mib: float = 0.0
+    rss_mib: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "label": self.label,
+            "seconds": round(statistics.median(self.runs), 4),
+            "min": round(min(self.runs), 4),
+            "max": round(max(self.runs), 4),
+            "runs": [round(r, 4) for r in self.runs],
+            "private_mib": round(self.private_mib),
+            "rss_mib": round(self.rss_mib),
+        }
+        if self.ratios:
+            out.update(
+                baseline=self.baseline,
+                ratio=round(statistics.median(self.ratios), 3),
+                ratio_min=round(min(self.ratios), 3),
+                ratio_max=round(max(self.ratios), 3),
+            )
+        return out
+
+
+def fresh(folder: Path) -> Path:
+    """``folder`` deleted and every pending write flushed (untimed), ready to be written anew."""
+    shutil.rmtree(folder, ignore_errors=True)
+    os.sync()
+    return folder
+
+
+def _timed(job: Job, out: Path, row: Row) -> float:
+    fresh(out)
+    reset_peak_rss()
+    sampler = PeakSampler("RssAnon", "VmHWM")
+    started = time.perf_counter()
+    with summaries_silenced():  # a merge's notes on what it kept at the anchor, once per run, are noise here
+        job.run(out)
+    seconds = time.perf_counter() - started
+    peaks = sampler.stop()
+    row.private_mib = max(row.private_mib, peaks.get("RssAnon", 0.0))
+    row.rss_mib = max(row.rss_mib, peaks.get("VmHWM", 0.0))
+    return seconds
+
+
+def run_group(group: Group, rounds: int, warmup: int, out_root: Path, echo=print) -> list[Row]:
+    """The group's jobs in turn for ``warmup`` + ``rounds`` rounds (warm-up dropped), order reversed
+    every other round; rows with each job's times and per-round ratios to its baseline."""
+    rounds = group.rounds or rounds
+    warmup = group.warmup if group.warmup is not None else warmup
+    rows = {job.label: Row(job.label, baseline=job.baseline) for job in group.jobs}
+    slugs = {job.label: f"{index}" for index, job in enumerate(group.jobs)}
+    for index in range(warmup + rounds):
+        order = group.jobs if index % 2 == 0 else list(reversed(group.jobs))
+        times = {job.label: _timed(job, out_root / slugs[job.label], rows[job.label]) for job in order}
+        if index < warmup:
+            continue
+        for job in group.jobs:
+            rows[job.label].runs.append(times[job.label])
+            if job.baseline is not None:
+                rows[job.label].ratios.append(times[job.label] / times[job.baseline])
+        echo(
+            f"round {index - warmup + 1}/{rounds}: "
+            + ", ".join(f"{label} {times[label]:.3f} s" for label in rows)
+        )
+    return list(rows.values())
+
+
+def machine() -> dict[str, Any]:
+    """The machine and the library versions the figures were measured with."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {}
+    for name in ("torch", "mergekit", "transformers", "safetensors", "scikit-optimize"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = "-"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (OpenMP's default)"),
+        "python": platform.python_version(),
+        "versions": versions,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def header(workload: Workload, size: str, parameters: dict[str, Any], rounds: int, warmup: int) -> str:
+    info = machine()
+    libraries = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+    shape = (
+        workload.notes(parameters) if workload.notes else ", ".join(f"{k} {v}" for k, v in parameters.items())
+    )
+    return (
+        f"# {workload.name} ({size}): {shape}\n"
+        f"# {info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch threads, "
+        f"OMP_WAIT_POLICY {info['omp_wait_policy']}, Python {info['python']}, {libraries}"
+        + (f", GPU {info['gpu']}" if info["gpu"] else "")
+        + f"\n# {rounds} rounds after {warmup} warm-up; median [min, max]; "
+        "× baseline: the median of the rounds' own ratios"
+    )
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| job | seconds [min, max] | × baseline [min, max] | peak private MiB | peak RSS MiB |"]
+    lines.append("|---|---|---|---|---|")
+    for row in rows:
+        ratio = (
+            f"{row['ratio']:.2f} [{row['ratio_min']:.2f}, {row['ratio_max']:.2f}] ({row['baseline']})"
+            if "ratio" in row
+            else "—"
+        )
+        lines.append(
+            f"| {row['label']} | {row['seconds']:.3f} [{row['min']:.3f}, {row['max']:.3f}] | {ratio} | "
+            f"{row['private_mib']} | {row['rss_mib']} |"
+        )
+    return "\n".join(lines)
+
+
+def run_workload(
+    workload: Workload,
+    size: str = "full",
+    rounds: int | None = None,
+    warmup: int = 1,
+    out_root: Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    echo=print,
+) -> dict[str, Any]:
+    """Build the workload at ``size`` (with ``overrides``), time every group, print the table, and
+    write ``<out_root>/<name>.json``; the result as a mapping."""
+    parameters = {**workload.sizes[size], **(overrides or {})}
+    rounds = rounds or int(parameters.pop("rounds", 5))
+    parameters.pop("rounds", None)
+    out_root = Path(out_root or f"/tmp/mergekit-bmm-perf/{workload.name}")
+    out_root.mkdir(parents=True, exist_ok=True)
+    top = header(workload, size, parameters, rounds, warmup)
+    echo(top)
+    groups = workload.build(parameters, out_root)
+    rows: list[dict[str, Any]] = []
+    for number, group in enumerate(groups):
+        group = group if isinstance(group, Group) else group()
+        found = run_group(group, rounds, warmup, out_root / "out" / f"group-{number}", echo)
+        rows += [row.summary() for row in found]
+    figures = workload.figures(parameters, out_root) if workload.figures else {}
+    echo("\n" + table(rows))
+    for key, value in figures.items():
+        echo(f"{key}: {value}")
+    result = {
+        "workload": workload.name,
+        "size": size,
+        "parameters": parameters,
+        "rounds": rounds,
+        "warmup": warmup,
+        "machine": machine(),
+        "rows": rows,
+        "figures": figures,
+    }
+    (out_root / f"{workload.name}.json").write_text(json.dumps(result, indent=2, default=str))
+    return result
