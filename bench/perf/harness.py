@@ -43,11 +43,18 @@ class Job:
 
 @dataclass
 class Group:
-    """Jobs that alternate round by round; ``rounds`` None: the run's rounds (1 for a one-off)."""
+    """Jobs that alternate round by round; ``rounds`` None: the run's rounds (1 for a one-off).
+
+    ``fork``: each run in a process forked after the workload's imports and set-up, on ``threads``
+    torch threads (the parent keeps one: GNU OpenMP is not fork-safe once its pool started), so no
+    run inherits the allocator's state of the one before and its memory is its own.
+    """
 
     jobs: list[Job]
     rounds: int | None = None
     warmup: int | None = None
+    fork: bool = False
+    threads: int | None = None
 
 
 @dataclass
@@ -64,6 +71,7 @@ class Workload:
         None  # after the timing: accuracy, sizes
     )
     notes: Callable[[dict[str, Any]], str] | None = None  # one line: the shape measured
+    picture: Callable[[list[dict[str, Any]], Path], Path | None] | None = None  # a PNG of the rows
 
 
 @dataclass
@@ -74,6 +82,7 @@ class Row:
     baseline: str | None = None
     private_mib: float = 0.0
     rss_mib: float = 0.0
+    private_growth_mib: float = 0.0  # over the level at the run's start
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -83,6 +92,7 @@ class Row:
             "max": round(max(self.runs), 4),
             "runs": [round(r, 4) for r in self.runs],
             "private_mib": round(self.private_mib),
+            "private_growth_mib": round(self.private_growth_mib),
             "rss_mib": round(self.rss_mib),
         }
         if self.ratios:
@@ -102,16 +112,53 @@ def fresh(folder: Path) -> Path:
     return folder
 
 
-def _timed(job: Job, out: Path, row: Row) -> float:
-    fresh(out)
+def _measured(job: Job, out: Path) -> tuple[float, dict[str, float], float]:
+    """(seconds, peaks, private MiB at the start) of one run of ``job`` in this process."""
+    from bench.common import status_mib
+
     reset_peak_rss()
+    start = status_mib("RssAnon")
     sampler = PeakSampler("RssAnon", "VmHWM")
     started = time.perf_counter()
     with summaries_silenced():  # a merge's notes on what it kept at the anchor, once per run, are noise here
         job.run(out)
     seconds = time.perf_counter() - started
-    peaks = sampler.stop()
+    return seconds, sampler.stop(), start
+
+
+def _in_child(connection, job: Job, out: Path, threads: int | None) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        connection.send(("ok", *_measured(job, out)))
+    except BaseException as error:  # noqa: BLE001  (reported by the parent)
+        connection.send(("error", f"{type(error).__name__}: {error}", {}, 0.0))
+    finally:
+        connection.close()
+
+
+def _forked(job: Job, out: Path, threads: int | None) -> tuple[float, dict[str, float], float]:
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_in_child, args=(send, job, out, threads))
+    process.start()
+    send.close()
+    status, seconds, peaks, start = receive.recv()
+    process.join()
+    if status != "ok":
+        raise RuntimeError(f"{job.label}: {seconds}")
+    return seconds, peaks, start
+
+
+def _timed(job: Job, out: Path, row: Row, group: Group) -> float:
+    fresh(out)
+    seconds, peaks, start = _forked(job, out, group.threads) if group.fork else _measured(job, out)
     row.private_mib = max(row.private_mib, peaks.get("RssAnon", 0.0))
+    row.private_growth_mib = max(row.private_growth_mib, peaks.get("RssAnon", 0.0) - start)
     row.rss_mib = max(row.rss_mib, peaks.get("VmHWM", 0.0))
     return seconds
 
@@ -125,7 +172,7 @@ def run_group(group: Group, rounds: int, warmup: int, out_root: Path, echo=print
     slugs = {job.label: f"{index}" for index, job in enumerate(group.jobs)}
     for index in range(warmup + rounds):
         order = group.jobs if index % 2 == 0 else list(reversed(group.jobs))
-        times = {job.label: _timed(job, out_root / slugs[job.label], rows[job.label]) for job in order}
+        times = {job.label: _timed(job, out_root / slugs[job.label], rows[job.label], group) for job in order}
         if index < warmup:
             continue
         for job in group.jobs:
@@ -187,7 +234,9 @@ def header(workload: Workload, size: str, parameters: dict[str, Any], rounds: in
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = ["| job | seconds [min, max] | × baseline [min, max] | peak private MiB | peak RSS MiB |"]
+    lines = [
+        "| job | seconds [min, max] | × baseline [min, max] | peak private MiB (growth) | peak RSS MiB |"
+    ]
     lines.append("|---|---|---|---|---|")
     for row in rows:
         ratio = (
@@ -197,7 +246,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         )
         lines.append(
             f"| {row['label']} | {row['seconds']:.3f} [{row['min']:.3f}, {row['max']:.3f}] | {ratio} | "
-            f"{row['private_mib']} | {row['rss_mib']} |"
+            f"{row['private_mib']} (+{row['private_growth_mib']}) | {row['rss_mib']} |"
         )
     return "\n".join(lines)
 
@@ -241,4 +290,6 @@ def run_workload(
         "figures": figures,
     }
     (out_root / f"{workload.name}.json").write_text(json.dumps(result, indent=2, default=str))
+    if workload.picture is not None and workload.picture(rows, out_root / f"{workload.name}.png"):
+        echo(f"picture: {out_root / f'{workload.name}.png'}")
     return result
