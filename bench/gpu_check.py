@@ -7,7 +7,7 @@ Five parts (the first four by default), each printed as a table and kept in ``--
    against the float64 CPU merge of the same recipe: the largest relative error of any
    solved tensor's update ``W − W_pre`` (tiny Llama families; with ``--size full`` also
    the SmolLM2-135M shape). Activation statistics are random Grams in the real format.
-2. **speed** — ``bench/merge_speed.py``'s cases on the device: Task Arithmetic and TIES,
+2. **speed** — the ``merge_speed`` workload's cases on the device: Task Arithmetic and TIES,
    bmm over each, the cache fill and a cached trial, against the GEMM floors measured on the
    same device in the same run.
 3. **search** — a resident search (one worker per GPU) scored by the mean log-likelihood
@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 import torch  # noqa: E402
 
 from bench.common import ensure_llama_family, gemm_floor, solved_shapes  # noqa: E402
-from bench.merge_speed import DEFAULT_CACHE, closed_form_floor, merge_here, recipe, run_child  # noqa: E402
+from bench.perf.merges import DEFAULT_CACHE, closed_form_floor, merge_here, recipe, run_child  # noqa: E402
 from mergekit_bmm.io.atomic import atomic_write_text  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads

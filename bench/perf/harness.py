@@ -67,9 +67,8 @@ class Workload:
     # groups in the order they run; a callable makes its group only when its turn comes (a resident
     # model loaded for the last group must not count in the memory of the merges before it)
     build: Callable[[dict[str, Any], Path], list[Group | Callable[[], Group]]]
-    figures: Callable[[dict[str, Any], Path], dict[str, Any]] | None = (
-        None  # after the timing: accuracy, sizes
-    )
+    # after the timing, from the parameters, the folder and the rows: accuracy, sizes, ratios of peaks
+    figures: Callable[[dict[str, Any], Path, list[dict[str, Any]]], dict[str, Any]] | None = None
     notes: Callable[[dict[str, Any]], str] | None = None  # one line: the shape measured
     picture: Callable[[list[dict[str, Any]], Path], Path | None] | None = None  # a PNG of the rows
 
@@ -275,7 +274,7 @@ def run_workload(
         group = group if isinstance(group, Group) else group()
         found = run_group(group, rounds, warmup, out_root / "out" / f"group-{number}", echo)
         rows += [row.summary() for row in found]
-    figures = workload.figures(parameters, out_root) if workload.figures else {}
+    figures = workload.figures(parameters, out_root, rows) if workload.figures else {}
     echo("\n" + table(rows))
     for key, value in figures.items():
         echo(f"{key}: {value}")

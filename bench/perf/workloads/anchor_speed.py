@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from bench.perf.harness import Group, Job, Workload
+from bench.perf.harness import Group, Job, Workload, fresh
 
 BASELINE = "task_arithmetic"
 
@@ -140,7 +140,7 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     anchors = {}
     if any("anchor_input" in fragment for fragment in selected.values()):
         anchors["wudi"] = root / "wudi-anchor"
-        merge_job(recipe(family, standalone("wudi"), {}))(anchors["wudi"])
+        merge_job(recipe(family, standalone("wudi"), {}))(fresh(anchors["wudi"]))
     jobs = [
         Job(label, merge_job(recipe(family, fragment, anchors)), None if label == BASELINE else BASELINE)
         for label, fragment in selected.items()

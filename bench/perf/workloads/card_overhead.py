@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.perf.harness import Group, Job, Workload
+from bench.perf.harness import Group, Job, Workload, fresh
 
 PLAIN = "merge, card step off"
 
@@ -54,7 +54,7 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     }
     text = yaml.safe_dump(config, sort_keys=False)
     merged = root / "merged"  # the folder the parts read (made once, untimed)
-    _merge(config, text, True)(merged)
+    _merge(config, text, True)(fresh(merged))
     return [
         Group(
             [

