@@ -274,7 +274,8 @@ def run_workload(
         group = group if isinstance(group, Group) else group()
         found = run_group(group, rounds, warmup, out_root / "out" / f"group-{number}", echo)
         rows += [row.summary() for row in found]
-    figures = workload.figures(parameters, out_root, rows) if workload.figures else {}
+    with summaries_silenced():
+        figures = workload.figures(parameters, out_root, rows) if workload.figures else {}
     echo("\n" + table(rows))
     for key, value in figures.items():
         echo(f"{key}: {value}")

@@ -17,7 +17,7 @@ shares added in quadrature exceed ``TOLERANCE·‖W_pre‖`` at the corner of th
 boxes where they are largest (``λ = LAMBDA_FLOOR`` relative, or the merge's own λ if smaller;
 ``s = max(SCALE_CEILING, |s|)``), the factor with the largest share moves to float32. So no
 trial inside those boxes moves a merged weight by more than about ``TOLERANCE`` relative to
-float32 factors (the tests and ``bench/cache_fit.py`` check the actual error).
+float32 factors (the tests and the ``cache_fit`` workload check the actual error).
 """
 
 from __future__ import annotations
