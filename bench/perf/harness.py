@@ -31,6 +31,8 @@ from typing import Any
 from bench.common import PeakSampler, reset_peak_rss
 from mergekit_bmm.merge_methods.merge_findings import summaries_silenced
 
+FORKED_LIMIT = 3600.0  # seconds a forked run may take before it is taken for hung
+
 
 @dataclass
 class Job:
@@ -146,6 +148,11 @@ def _forked(job: Job, out: Path, threads: int | None) -> tuple[float, dict[str, 
     process = context.Process(target=_in_child, args=(send, job, out, threads))
     process.start()
     send.close()
+    if not receive.poll(FORKED_LIMIT):  # a forked child hung (an OpenMP pool the parent started?)
+        process.kill()
+        raise RuntimeError(
+            f"{job.label}: no result after {FORKED_LIMIT} s; keep the parent on one torch thread"
+        )
     status, seconds, peaks, start = receive.recv()
     process.join()
     if status != "ok":
