@@ -114,7 +114,8 @@ def fresh(folder: Path) -> Path:
 
 
 def _measured(job: Job, out: Path) -> tuple[float, dict[str, float], float]:
-    """(seconds, peaks, private MiB at the start) of one run of ``job`` in this process."""
+    """(seconds, peaks, private MiB at the start) of one run of ``job`` in this process; a job that
+    runs a command returns that process's peaks (:func:`command`), which replace this one's."""
     from bench.common import status_mib
 
     reset_peak_rss()
@@ -122,9 +123,27 @@ def _measured(job: Job, out: Path) -> tuple[float, dict[str, float], float]:
     sampler = PeakSampler("RssAnon", "VmHWM")
     started = time.perf_counter()
     with summaries_silenced():  # a merge's notes on what it kept at the anchor, once per run, are noise here
-        job.run(out)
+        returned = job.run(out)
     seconds = time.perf_counter() - started
-    return seconds, sampler.stop(), start
+    peaks = sampler.stop()
+    if isinstance(returned, dict) and "VmHWM" in returned:
+        return seconds, returned, 0.0
+    return seconds, peaks, start
+
+
+def command(argv: list[str], env: dict[str, str] | None = None) -> dict[str, float]:
+    """Run a command (a stock ``mergekit-yaml``, start-up included) to its end: its peak RSS in MiB
+    (the kernel's, via ``wait4``) as the job's memory; a failure stops the workload with its output."""
+    import subprocess
+
+    process = subprocess.Popen(
+        argv, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    output = process.stdout.read() if process.stdout else ""
+    _, status, usage = os.wait4(process.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(argv[:2])} ... failed:\n{output[-3000:]}")
+    return {"VmHWM": usage.ru_maxrss / 1024}
 
 
 def _in_child(connection, job: Job, out: Path, threads: int | None) -> None:
@@ -252,7 +271,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         )
         lines.append(
             f"| {row['label']} | {row['seconds']:.3f} [{row['min']:.3f}, {row['max']:.3f}] | {ratio} | "
-            f"{row['private_mib']} (+{row['private_growth_mib']}) | {row['rss_mib']} |"
+            + (f"{row['private_mib']} (+{row['private_growth_mib']})" if row["private_mib"] else "—")
+            + f" | {row['rss_mib']} |"
         )
     return "\n".join(lines)
 
