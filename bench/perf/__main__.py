@@ -37,7 +37,10 @@ def _value(text: str):
     help="Models, outputs and <NAME>.json (a tmpfs path keeps the disk out of the timing).",
 )
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Change one size parameter.")
-def main(name, listing, quick, rounds, warmup, out, overrides) -> None:
+@click.option(
+    "--redo", is_flag=True, help="Measure every group again (a run resumes from its finished groups)."
+)
+def main(name, listing, quick, rounds, warmup, out, overrides, redo) -> None:
     """Run one performance workload on the one protocol and print its table."""
     if listing or not name:
         for found in workloads.names():
@@ -58,7 +61,7 @@ def main(name, listing, quick, rounds, warmup, out, overrides) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from bench.perf.harness import run_workload
 
-    run_workload(chosen, "quick" if quick else "full", rounds, warmup, out, parsed, click.echo)
+    run_workload(chosen, "quick" if quick else "full", rounds, warmup, out, parsed, click.echo, redo)
 
 
 if __name__ == "__main__":

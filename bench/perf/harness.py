@@ -132,18 +132,20 @@ def _measured(job: Job, out: Path) -> tuple[float, dict[str, float], float]:
 
 
 def command(argv: list[str], env: dict[str, str] | None = None) -> dict[str, float]:
-    """Run a command (a stock ``mergekit-yaml``, start-up included) to its end: its peak RSS in MiB
-    (the kernel's, via ``wait4``) as the job's memory; a failure stops the workload with its output."""
+    """Run a command (a stock ``mergekit-yaml``, start-up included) to its end; its peak RSS and peak
+    private memory in MiB (sampled every 50 ms) replace this process's as the job's memory. A failure
+    stops the workload with the command's last output."""
     import subprocess
 
     process = subprocess.Popen(
         argv, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    output = process.stdout.read() if process.stdout else ""
-    _, status, usage = os.wait4(process.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
+    sampler = PeakSampler("VmRSS", "RssAnon", pid=process.pid, interval=0.05)
+    output, _ = process.communicate()
+    peaks = sampler.stop()
+    if process.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:2])} ... failed:\n{output[-3000:]}")
-    return {"VmHWM": usage.ru_maxrss / 1024}
+    return {"VmHWM": peaks["VmRSS"], "RssAnon": peaks["RssAnon"]}
 
 
 def _in_child(connection, job: Job, out: Path, threads: int | None) -> None:
@@ -285,9 +287,11 @@ def run_workload(
     out_root: Path | None = None,
     overrides: dict[str, Any] | None = None,
     echo=print,
+    redo: bool = False,
 ) -> dict[str, Any]:
     """Build the workload at ``size`` (with ``overrides``), time every group, print the table, and
-    write ``<out_root>/<name>.json``; the result as a mapping."""
+    write ``<out_root>/<name>.json``; the result as a mapping. A long run resumes: each finished group
+    is kept in ``<name>.partial.json`` and not measured again by the same run (``redo``: all again)."""
     parameters = {**workload.sizes[size], **(overrides or {})}
     rounds = rounds or int(parameters.pop("rounds", 5))
     parameters.pop("rounds", None)
@@ -296,11 +300,29 @@ def run_workload(
     top = header(workload, size, parameters, rounds, warmup)
     echo(top)
     groups = workload.build(parameters, out_root)
+    partial = out_root / f"{workload.name}.partial.json"
+    identity = {"size": size, "parameters": parameters, "rounds": rounds, "warmup": warmup}
+    done = json.loads(partial.read_text()) if partial.is_file() and not redo else {}
+    done = (
+        done.get("groups", {})
+        if done.get("identity") == json.loads(json.dumps(identity, default=str))
+        else {}
+    )
     rows: list[dict[str, Any]] = []
     for number, group in enumerate(groups):
+        if str(number) in done:  # measured by an earlier run of the same workload and size: kept
+            labels = ", ".join(row["label"] for row in done[str(number)])
+            echo(f"group {number}: kept from {partial.name} ({labels})")
+            rows += done[str(number)]
+            continue
         group = group if isinstance(group, Group) else group()
-        found = run_group(group, rounds, warmup, out_root / "out" / f"group-{number}", echo)
-        rows += [row.summary() for row in found]
+        found = [
+            row.summary()
+            for row in run_group(group, rounds, warmup, out_root / "out" / f"group-{number}", echo)
+        ]
+        rows += found
+        done[str(number)] = found
+        partial.write_text(json.dumps({"identity": identity, "groups": done}, indent=1, default=str))
     with summaries_silenced():
         figures = workload.figures(parameters, out_root, rows) if workload.figures else {}
     echo("\n" + table(rows))

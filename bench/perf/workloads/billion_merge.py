@@ -1,0 +1,165 @@
+"""A billion-parameter merge on this machine: stock ``mergekit-yaml``, bmm data-free vs Task Arithmetic.
+
+A Llama-3.2-1B-shaped family (hidden 2048, 16 layers, MLP 8192, 32 heads / 8 KV heads, the body's
+0.97 B weights; a 320-token vocabulary keeps the embeddings out of the picture), bfloat16, T = 3
+random experts made locally. Every merge is a separate ``mergekit-yaml --lazy-unpickle`` process
+(what a user runs), sampled every 50 ms for its peak RSS and peak private memory, on the harness's
+protocol (:mod:`bench.perf.harness`; a run resumes from its finished groups). Groups:
+
+* Task Arithmetic, and bmm over it (data-free, λ = 0.1, no cache) against it;
+* the GEMM floors measured in this process: the closed form's bare products (Grams, cross terms,
+  float32 Cholesky and its solves) and a cached trial's products;
+* depth: Task Arithmetic and bmm at 4 layers of the same width (the figures: private memory, 16 over 4);
+* with ``cache_layers`` (16, or 4 for a quarter of the fill, 0 to skip): the fill (a fresh cache, an
+  eigendecomposition per weight) and a cached merge with new λ and s; the cache's size against the model.
+
+mergekit buffers each output shard in memory until it is full (``--out-shard-size``, default 5 B
+parameters: the whole model here); the runs pass ``--out-shard-size 250M`` so that buffer is bounded
+(about 0.5 GB in bfloat16) and the private column shows what the merge itself holds.
+
+    python -m bench.perf billion_merge --out /work/perf-billion      # about 1.5 hours on 2 cores
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.common import ensure_llama_family, gemm_floor, solved_shapes
+from bench.perf.harness import Group, Job, Workload, command
+from bench.perf.merges import closed_form_floor, recipe
+
+SHAPE = {"hidden": 2048, "intermediate": 8192, "heads": 32, "kv_heads": 8}
+SHARD = "250M"
+
+
+def family(models: Path, layers: int, shape: dict[str, int]) -> dict:
+    return ensure_llama_family(
+        models,
+        shape["hidden"],
+        shape["intermediate"],
+        layers,
+        3,
+        heads=shape["heads"],
+        kv_heads=shape["kv_heads"],
+    )
+
+
+def mergekit_yaml(config: dict, work: Path, name: str, into: str = ""):
+    """A job: one stock ``mergekit-yaml`` run of ``config`` into the run's folder (or ``into`` in it)."""
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / f"{name}.yml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    executable = str(Path(sys.executable).with_name("mergekit-yaml"))
+    flags = ["--lazy-unpickle", "--out-shard-size", SHARD, "--no-copy-tokenizer", "--quiet"]
+    return lambda out: command([executable, str(path), str(out / into if into else out), *flags])
+
+
+def folder_gib(path: Path) -> float:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 2**30
+
+
+def _weights(base: Path) -> int:
+    from mergekit_bmm.io.checkpoint import iter_tensors
+
+    return sum(tensor.numel() for _, tensor in iter_tensors(Path(base)))
+
+
+def _shape(parameters: dict[str, Any]) -> dict[str, int]:
+    return {key: parameters[key] for key in ("hidden", "intermediate", "heads", "kv_heads")}
+
+
+def build(parameters: dict[str, Any], root: Path) -> list[Group]:
+    models, work, shape = root / "models", root / "recipes", _shape(parameters)
+    deep, shallow = family(models, parameters["layers"], shape), family(models, 4, shape)
+    shapes = solved_shapes(Path(deep["base"]))
+    ta = "task_arithmetic"
+    groups = [
+        Group([Job(ta, mergekit_yaml(recipe(deep, ta), work, "ta")),
+               Job("bmm data-free", mergekit_yaml(recipe(deep, "bmm", ta), work, "bmm"), ta)], rounds=1),
+        Group([Job("GEMM floor of the closed form", lambda out: closed_form_floor(shapes, 3)),
+               Job("GEMM floor of a cached trial", lambda out: gemm_floor(shapes, 1))], rounds=1),
+        Group([Job("depth 4: task_arithmetic", mergekit_yaml(recipe(shallow, ta), work, "ta-4")),
+               Job("depth 4: bmm data-free", mergekit_yaml(recipe(shallow, "bmm", ta), work, "bmm-4"),
+                   "depth 4: task_arithmetic")], rounds=1),
+    ]  # fmt: skip
+    if parameters["cache_layers"]:
+        cached = family(models, parameters["cache_layers"], shape)
+        cache = root / "out" / "group-3" / "0" / "cache"  # the fill's own folder (harness layout)
+        trial = recipe(cached, "bmm", ta, cache=str(cache), scale=1.1)
+        trial["parameters"]["lambda"] = 0.05
+        fill = recipe(cached, "bmm", ta, cache=str(cache))  # its cache lands in its own (fresh) folder
+        groups.append(
+            Group(
+                [Job("bmm cache fill", mergekit_yaml(fill, work, "fill", into="model")),
+                 Job("bmm cached trial", mergekit_yaml(trial, work, "trial"), "bmm cache fill")],
+                rounds=1, warmup=0,
+            )
+        )  # fmt: skip
+    return groups
+
+
+def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """bmm and a cached trial against TA plus their floors; the cache against the model; private memory
+    against depth."""
+    by = {row["label"]: row for row in rows}
+    deep = family(root / "models", parameters["layers"], _shape(parameters))
+    ta, bmm = by["task_arithmetic"], by["bmm data-free"]
+    floor = by["GEMM floor of the closed form"]["seconds"]
+    out = {
+        "body": f"{_weights(deep['base']) / 1e9:.2f} B weights, {folder_gib(deep['base']):.2f} GiB",
+        "bmm data-free": f"TA + {(bmm['seconds'] - ta['seconds']) / floor:.2f} × the closed form's floor",
+    }
+    for label, shallow, full in (("task_arithmetic", "depth 4: task_arithmetic", ta),
+                                 ("bmm data-free", "depth 4: bmm data-free", bmm)):  # fmt: skip
+        a, b = by[shallow]["private_mib"], full["private_mib"]
+        out[f"private memory, {label}"] = (
+            f"{a} MiB at 4 layers, {b} at {parameters['layers']} ({b / max(a, 1):.2f}×)"
+        )
+    if "bmm cache fill" in by:
+        cache = folder_gib(root / "out" / "group-3" / "0" / "cache")
+        model = folder_gib(family(root / "models", parameters["cache_layers"], _shape(parameters))["base"])
+        out["cache"] = f"{cache:.2f} GiB = {cache / model:.2f} × the model"
+        trial_floor = by["GEMM floor of a cached trial"]["seconds"]
+        out["bmm cached trial"] = (
+            f"TA + {(by['bmm cached trial']['seconds'] - ta['seconds']) / trial_floor:.2f} × its floor"
+        )
+        out["bmm cache fill"] = (
+            f"{by['bmm cache fill']['seconds'] / bmm['seconds']:.2f} × the uncached bmm merge"
+        )
+    return out
+
+
+WORKLOAD = Workload(
+    name="billion_merge",
+    summary="a Llama-3.2-1B-shaped merge by stock mergekit-yaml: bmm and its cache against TA and the floors",
+    sizes={
+        "full": {
+            "hidden": 2048,
+            "intermediate": 8192,
+            "heads": 32,
+            "kv_heads": 8,
+            "layers": 16,
+            "cache_layers": 16,
+            "rounds": 1,
+        },
+        "quick": {
+            "hidden": 64,
+            "intermediate": 128,
+            "heads": 4,
+            "kv_heads": 2,
+            "layers": 2,
+            "cache_layers": 0,
+            "rounds": 1,
+        },
+    },  # fmt: skip
+    build=build,
+    figures=figures,
+    notes=lambda p: (
+        f"Llama body, hidden {p['hidden']}, MLP {p['intermediate']}, {p['layers']} layers, T = 3, "
+        f"bfloat16, stock mergekit-yaml --lazy-unpickle --out-shard-size {SHARD}"
+    ),
+)
