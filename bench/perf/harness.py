@@ -79,11 +79,13 @@ class Workload:
 class Row:
     label: str
     runs: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # CPU seconds of the run (this process and its children)
     ratios: list[float] = field(default_factory=list)
     baseline: str | None = None
     private_mib: float = 0.0
     rss_mib: float = 0.0
     private_growth_mib: float = 0.0  # over the level at the run's start
+    pending_cpu: float | None = None  # the last run's CPU seconds, kept once the round counts
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -92,6 +94,7 @@ class Row:
             "min": round(min(self.runs), 4),
             "max": round(max(self.runs), 4),
             "runs": [round(r, 4) for r in self.runs],
+            "cpu_seconds": round(statistics.median(self.cpu), 4) if self.cpu else None,
             "private_mib": round(self.private_mib),
             "private_growth_mib": round(self.private_growth_mib),
             "rss_mib": round(self.rss_mib),
@@ -121,14 +124,20 @@ def _measured(job: Job, out: Path) -> tuple[float, dict[str, float], float]:
     reset_peak_rss()
     start = status_mib("RssAnon")
     sampler = PeakSampler("RssAnon", "VmHWM")
-    started = time.perf_counter()
+    cpu, started = _cpu_seconds(), time.perf_counter()
     with summaries_silenced():  # a merge's notes on what it kept at the anchor, once per run, are noise here
         returned = job.run(out)
     seconds = time.perf_counter() - started
-    peaks = sampler.stop()
+    peaks = {**sampler.stop(), "cpu": _cpu_seconds() - cpu}
     if isinstance(returned, dict) and "VmHWM" in returned:
-        return seconds, returned, 0.0
+        return seconds, {**returned, "cpu": peaks["cpu"]}, 0.0
     return seconds, peaks, start
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the subprocesses it waited for."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
 
 
 def command(argv: list[str], env: dict[str, str] | None = None) -> dict[str, float]:
@@ -187,6 +196,7 @@ def _timed(job: Job, out: Path, row: Row, group: Group) -> float:
     row.private_mib = max(row.private_mib, peaks.get("RssAnon", 0.0))
     row.private_growth_mib = max(row.private_growth_mib, peaks.get("RssAnon", 0.0) - start)
     row.rss_mib = max(row.rss_mib, peaks.get("VmHWM", 0.0))
+    row.pending_cpu = peaks.get("cpu")
     return seconds
 
 
@@ -204,6 +214,8 @@ def run_group(group: Group, rounds: int, warmup: int, out_root: Path, echo=print
             continue
         for job in group.jobs:
             rows[job.label].runs.append(times[job.label])
+            if rows[job.label].pending_cpu is not None:
+                rows[job.label].cpu.append(rows[job.label].pending_cpu)
             if job.baseline is not None:
                 rows[job.label].ratios.append(times[job.label] / times[job.baseline])
         echo(
@@ -261,20 +273,25 @@ def header(workload: Workload, size: str, parameters: dict[str, Any], rounds: in
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = [
-        "| job | seconds [min, max] | × baseline [min, max] | peak private MiB (growth) | peak RSS MiB |"
+    header = [
+        "job",
+        "seconds [min, max]",
+        "CPU s",
+        "× baseline [min, max]",
+        "peak private MiB (growth)",
+        "peak RSS MiB",
     ]
-    lines.append("|---|---|---|---|---|")
+    lines = ["| " + " | ".join(header) + " |"]
+    lines.append("|---|---|---|---|---|---|")
     for row in rows:
-        ratio = (
-            f"{row['ratio']:.2f} [{row['ratio_min']:.2f}, {row['ratio_max']:.2f}] ({row['baseline']})"
-            if "ratio" in row
-            else "—"
-        )
+        ratio = "—"
+        if "ratio" in row:
+            ratio = f"{row['ratio']:.2f} [{row['ratio_min']:.2f}, {row['ratio_max']:.2f}] ({row['baseline']})"
+        cpu = f"{row['cpu_seconds']:.3f}" if row.get("cpu_seconds") is not None else "—"
+        private = f"{row['private_mib']} (+{row['private_growth_mib']})" if row["private_mib"] else "—"
         lines.append(
-            f"| {row['label']} | {row['seconds']:.3f} [{row['min']:.3f}, {row['max']:.3f}] | {ratio} | "
-            + (f"{row['private_mib']} (+{row['private_growth_mib']})" if row["private_mib"] else "—")
-            + f" | {row['rss_mib']} |"
+            f"| {row['label']} | {row['seconds']:.3f} [{row['min']:.3f}, {row['max']:.3f}] | {cpu} | "
+            f"{ratio} | {private} | {row['rss_mib']} |"
         )
     return "\n".join(lines)
 
