@@ -49,7 +49,10 @@ def write(tmp_path: Path, family, **fields) -> Path:
         ({"lambda_range": [0, 1]}, "must be > 0"),
         ({"budget": 5, "n_initial": 10}, "budget (5) is smaller than n_initial (10)"),
         ({"lamda_range": [1e-3, 1]}, "`lamda_range`: unknown field"),
-        ({"evaluator": {"callable": "a:b"}}, "evaluator needs `type:` python, lm_eval, classification or agreement"),
+        (
+            {"evaluator": {"callable": "a:b"}},
+            "evaluator needs `type:` python, lm_eval, classification or agreement",
+        ),
         (
             {"recipe": {"merge_method": "ties", "base_model": "/x", "models": [{"model": "/y"}]}},
             "merge_method is 'ties'",
