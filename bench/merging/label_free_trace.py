@@ -125,9 +125,9 @@ def correlations(trials: list[dict[str, Any]], gaps: dict[str, dict[str, float]]
     out: dict[str, float | None] = {}
     for name in scored[0]:
         values = [row[name] for row in scored]
-        if any(math.isnan(value) for value in values):
-            out[name] = None
+        if any(math.isnan(value) for value in values) or len(set(values)) < 2 or len(set(tests)) < 2:
+            out[name] = None  # undefined: a scale the base left at 0, or a constant objective or test
             continue
         rho = spearmanr(values, tests).statistic
-        out[name] = None if math.isnan(rho) else round(float(rho), 3)  # NaN: a constant objective
+        out[name] = None if math.isnan(rho) else round(float(rho), 3)
     return out

@@ -74,7 +74,7 @@ def _shape(parameters: dict[str, Any]) -> dict[str, int]:
 
 def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     models, work, shape = root / "models", root / "recipes", _shape(parameters)
-    deep, shallow = family(models, parameters["layers"], shape), family(models, 4, shape)
+    deep = family(models, parameters["layers"], shape)
     shapes = solved_shapes(Path(deep["base"]))
     ta = "task_arithmetic"
     groups = [
@@ -82,13 +82,19 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
                Job("bmm data-free", mergekit_yaml(recipe(deep, "bmm", ta), work, "bmm"), ta)], rounds=1),
         Group([Job("GEMM floor of the closed form", lambda out: closed_form_floor(shapes, 3)),
                Job("GEMM floor of a cached trial", lambda out: gemm_floor(shapes, 1))], rounds=1),
-        Group([Job("depth 4: task_arithmetic", mergekit_yaml(recipe(shallow, ta), work, "ta-4")),
-               Job("depth 4: bmm data-free", mergekit_yaml(recipe(shallow, "bmm", ta), work, "bmm-4"),
-                   "depth 4: task_arithmetic")], rounds=1),
     ]  # fmt: skip
+    if parameters["depth"]:
+        shallow = family(models, 4, shape)
+        groups.append(
+            Group([Job("depth 4: task_arithmetic", mergekit_yaml(recipe(shallow, ta), work, "ta-4")),
+               Job("depth 4: bmm data-free", mergekit_yaml(recipe(shallow, "bmm", ta), work, "bmm-4"),
+                   "depth 4: task_arithmetic")], rounds=1)
+        )  # fmt: skip
     if parameters["cache_layers"]:
         cached = family(models, parameters["cache_layers"], shape)
-        cache = root / "out" / "group-3" / "0" / "cache"  # the fill's own folder (harness layout)
+        cache = (
+            root / "out" / f"group-{len(groups)}" / "0" / "cache"
+        )  # the fill's own folder (harness layout)
         trial = recipe(cached, "bmm", ta, cache=str(cache), scale=1.1)
         trial["parameters"]["lambda"] = 0.05
         fill = recipe(cached, "bmm", ta, cache=str(cache))  # its cache lands in its own (fresh) folder
@@ -115,12 +121,14 @@ def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) 
     }
     for label, shallow, full in (("task_arithmetic", "depth 4: task_arithmetic", ta),
                                  ("bmm data-free", "depth 4: bmm data-free", bmm)):  # fmt: skip
+        if shallow not in by:
+            continue
         a, b = by[shallow]["private_mib"], full["private_mib"]
         out[f"private memory, {label}"] = (
             f"{a} MiB at 4 layers, {b} at {parameters['layers']} ({b / max(a, 1):.2f}×)"
         )
     if "bmm cache fill" in by:
-        cache = folder_gib(root / "out" / "group-3" / "0" / "cache")
+        cache = folder_gib(root / "out" / f"group-{2 + int(parameters['depth'])}" / "0" / "cache")
         model = folder_gib(family(root / "models", parameters["cache_layers"], _shape(parameters))["base"])
         out["cache"] = f"{cache:.2f} GiB = {cache / model:.2f} × the model"
         trial_floor = by["GEMM floor of a cached trial"]["seconds"]
@@ -144,6 +152,7 @@ WORKLOAD = Workload(
             "kv_heads": 8,
             "layers": 16,
             "cache_layers": 16,
+            "depth": True,
             "rounds": 1,
         },
         "quick": {
@@ -153,6 +162,7 @@ WORKLOAD = Workload(
             "kv_heads": 2,
             "layers": 2,
             "cache_layers": 0,
+            "depth": False,
             "rounds": 1,
         },
     },  # fmt: skip
