@@ -257,3 +257,10 @@ def test_resident_search_from_a_stats_yml_computes_references_once(
     )
     assert len(result.records) == 8
     assert not any("references: task" in line for line in lines)
+
+
+def test_the_shipped_label_free_search_config_validates():
+    from mergekit_bmm.search import load_search_config
+
+    config = load_search_config(Path(__file__).parent.parent / "configs" / "search-label-free.yml")
+    assert config.evaluator.type == "agreement" and config.evaluator.stats.endswith("configs/stats.yml")
