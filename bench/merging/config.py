@@ -170,6 +170,14 @@ class LabelFreeSpec(_Strict):
     )
 
 
+class OracleSpec(_Strict):
+    """Searches scored on the *test* subsets: how far above its anchor BMM's family reaches at all
+    (a ceiling, never a reported result), beside the validation-chosen search."""
+
+    anchors: list[str] = Field(default_factory=list)
+    settings: list[Literal["data_free", "data_assisted"]] = ["data_free", "data_assisted"]
+
+
 class SearchSpec(_Strict):
     """``mergekit-bmm-search`` runs: BMM over each anchor, data-free and data-assisted."""
 
@@ -180,6 +188,9 @@ class SearchSpec(_Strict):
     )
     label_free: list[LabelFreeSpec] = Field(
         default_factory=list, description="label-free searches beside the main ones, paired on test"
+    )
+    oracle: OracleSpec | None = Field(
+        default=None, description="searches scored on test (a ceiling, clearly marked), beside the main ones"
     )
 
     anchors: list[str] = Field(default_factory=list, description="anchor names (`pretrained`, ...)")

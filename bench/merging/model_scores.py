@@ -163,9 +163,13 @@ def label_free_block(config: RunConfig, art: Artifacts, spec: LabelFreeSpec | No
     }
 
 
-def search_evaluator(config: RunConfig, art: Artifacts, label_free: LabelFreeSpec | None) -> dict[str, Any]:
+def search_evaluator(
+    config: RunConfig, art: Artifacts, label_free: LabelFreeSpec | None, oracle: bool = False
+) -> dict[str, Any]:
     """What a search scores: validation accuracy, or (``label_free``, or ``search.objective`` other than
-    ``labelled``) the label-free objective."""
+    ``labelled``) the label-free objective; an ``oracle`` search scores test accuracy (a ceiling)."""
+    if oracle:
+        return evaluator_block(config, art, "test")
     if label_free is None and config.search.objective != "labelled":
         label_free = LabelFreeSpec(objective=config.search.objective)
     return (

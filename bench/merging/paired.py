@@ -73,6 +73,8 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
         # searches that read no labels (agreement with the experts, AdaMerging's entropy)
         merges = {kind: row.get(kind) or {} for kind in ("defaults", "candidate", "auto")}
         merges.update(row.get("label_free") or {})
+        if row.get("oracle"):  # the search scored on test: how much of its gain validation finds
+            merges["oracle"] = row["oracle"]
         for kind, merge in merges.items():
             if not merge.get("model_id"):
                 continue
@@ -82,6 +84,9 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
                 cell[f"{kind}_vs_search"] = _paired(scored[kind], expected)
                 if "defaults" in scored:
                     cell[f"{kind}_vs_defaults"] = _paired(scored[kind], scored["defaults"])
+            if kind == "oracle":
+                cell["oracle_vs_search"] = _paired(scored[kind], expected)
+                cell["found_share"] = round(cell["delta"] / estimate, 4) if estimate > 0 else None
             if kind == "entropy" and "agreement" in scored:  # the two label-free objectives
                 cell["agreement_vs_entropy"] = _paired(scored["agreement"], scored["entropy"])
             cell.update(

@@ -462,6 +462,7 @@ def test_label_free_searches_beside_the_labelled_one(tiny_run, tmp_path):
                     {"objective": "agreement", "trace": ["task_arithmetic"], **free},
                     {"objective": "entropy", **free},
                 ],
+                "oracle": free,
             },
         }
     )
@@ -493,6 +494,12 @@ def test_label_free_searches_beside_the_labelled_one(tiny_run, tmp_path):
     ):
         assert set(cell[key]) == {"estimate", "low", "high"}
     assert results["verdict"]["data_free"]["agreement_vs_entropy"] == 1
+    oracle = json.loads((Path(row["oracle"]["search"]) / "summary.json").read_text())  # scored on test
+    assert (
+        all(task["split"] == "test" for task in oracle["evaluator"]["tasks"])
+        and "oracle-" in row["oracle"]["search"]
+    )
+    assert set(cell["oracle_vs_search"]) == {"estimate", "low", "high"} and "found_share" in cell
     text = (tmp_path / "results" / "smoke" / "results.md").read_text()
     assert "searched with no labels, agreement with the experts" in text and "AdaMerging's entropy" in text
     trace = row["label_free"]["agreement"]["trace"]  # every trial re-merged: its test and every objective
@@ -501,10 +508,10 @@ def test_label_free_searches_beside_the_labelled_one(tiny_run, tmp_path):
     assert set(trace["correlations"]) == {
         f"{o}/{s}" for o in ("kl", "reverse_kl", "top1", "entropy") for s in ("base", "none")
     }
-    assert "does a better agreement mean a better model?" in text
+    assert "does a better agreement mean a better model?" in text and "oracle: BMM searched on test" in text
     assert (tmp_path / "results" / "smoke" / "label_free.png").is_file()
     # the main searches themselves label-free: another search folder, its evaluator the agreement one
-    config["search"].update({"objective": "agreement", "label_free": []})
+    config["search"].update({"objective": "agreement", "label_free": [], "oracle": None})
     path.write_text(yaml.safe_dump(config))
     assert run_cli(path, tmp_path, "--until", "bmm").exit_code == 0
     results = json.loads((tmp_path / "results" / "smoke" / "results.json").read_text())

@@ -168,6 +168,11 @@ def summary_markdown(results: dict[str, Any]) -> str:
     evidence = any("auto_score" in cell for cell in summary)
     if evidence:
         header.append("BMM at `lambda: auto` (Δ; share; vs the search; vs the defaults)")
+    oracle = any("oracle_score" in cell for cell in summary)
+    if oracle:
+        header.append(
+            "oracle: BMM searched on test, not a result (Δ; share of it validation finds; vs the search)"
+        )
     label_free = [kind for kind in LABEL_FREE_NAMES if any(f"{kind}_score" in cell for cell in summary)]
     for kind in label_free:
         header.append(
@@ -192,6 +197,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
             f"{versus_best} | {lands} | {_defaults_cell(cell)} |"
             + (f" {_defaults_cell(cell, 'candidate')} |" if proposed else "")
             + (f" {_auto_cell(cell)} |" if evidence else "")
+            + (f" {_oracle_cell(cell)} |" if oracle else "")
             + "".join(f" {_auto_cell(cell, kind)} |" for kind in label_free)
         )
     counts = results.get("verdict") or {}
@@ -260,6 +266,18 @@ def _paired_tally(counts: dict[str, dict[str, int]], kind: str, other: str) -> s
         for mode, c in counts.items()
         if c.get(f"{kind}_vs_{other}")
     )
+
+
+def _oracle_cell(cell: dict[str, Any]) -> str:
+    """The search scored on test: its Δ over the anchor, the share of it the validation search found."""
+    if "oracle_score" not in cell:
+        return "–"
+    found = cell.get("found_share")
+    share = "–" if found is None else f"{100 * found:.0f}% found"
+    versus = interval_text(cell["oracle_vs_search"], True) if cell.get("oracle_vs_search") else "–"
+    low, high = 100 * cell["oracle_delta_low"], 100 * cell["oracle_delta_high"]
+    delta = f"{100 * cell['oracle_delta']:+.1f} [{low:.1f}, {high:.1f}]"
+    return f"{100 * cell['oracle_score']:.1f} ({delta}; {share}; {versus})"
 
 
 LABEL_FREE_NAMES = {"agreement": "agreement with the experts", "entropy": "AdaMerging's entropy"}
