@@ -176,7 +176,7 @@ def speed(models: Path, scratch: Path, device: str, size: str, only: list[str] |
 
 # -- 3. search ----------------------------------------------------------------------------
 def search(models: Path, scratch: Path, device: str, size: str, budget: int, shape: str = "smollm2") -> dict:
-    from bench.search_throughput import texts
+    from bench.perf.workloads.search_throughput import texts
     from mergekit_bmm.search.config import parse_search_config
     from mergekit_bmm.search.loop import SearchOptions, run_search
 
@@ -191,7 +191,7 @@ def search(models: Path, scratch: Path, device: str, size: str, budget: int, sha
             "parallel": {"workers": workers},
             "evaluator": {
                 "type": "python",
-                "callable": "bench.search_throughput:mean_log_likelihood",
+                "callable": "bench.perf.workloads.search_throughput:mean_log_likelihood",
                 "python_path": [str(REPO)],
                 "args": {"texts": texts(16)},
             },

@@ -126,7 +126,10 @@ def resident_trial_job(text: str, work: Path) -> Callable[[Path], object]:
         "lambda_range": [1e-3, 10.0],
         "scale_range": [0.5, 1.5],
         # never called here: a trial's merge is timed without its evaluation
-        "evaluator": {"type": "python", "callable": "bench.search_throughput:mean_log_likelihood"},
+        "evaluator": {
+            "type": "python",
+            "callable": "bench.perf.workloads.search_throughput:mean_log_likelihood",
+        },
     }
     experiment = prepare_experiment(parse_search_config(config, work), work / "cache")
     # two trials in turn (30 % and 70 % of each range), so every round moves every weight

@@ -1,53 +1,46 @@
 """Search throughput: trials on disk against resident trials, and one worker against several.
 
-Each case runs one search per trial mode — same seed, same points (checked) — in a fresh
-process, after a warm-up that fills bmm's factor cache once (the searches share it, so
-neither pays for the fill inside its trials). Per trial it prints the median seconds of
-the merge, the evaluation, the surrogate (GP) and the rest (writing the recipe and the
-log, the progress bar), the peak resident memory of the process and its private memory
-after the first and the last trial, and the ratios the design targets:
+Each case runs one search per trial mode — same seed, same points (checked) — in a fresh process, on
+the harness's protocol (:mod:`bench.perf.harness`), after an untimed one-trial search that fills bmm's
+factor cache (the searches share it, so neither pays for the fill inside its trials). The figures give,
+per trial, the median seconds of the merge, the evaluation, the surrogate (GP) and the rest (writing the
+recipe and the log, the progress bar), the private memory after the first and the last trial, and the
+ratios the design targets:
 
-* the resident trial's merge against the disk trial's merge + write + reload (reload =
-  the disk trial's evaluation minus the resident one's, which score the same model);
+* the resident trial's merge against the disk trial's merge + write + reload (reload = the disk
+  trial's evaluation minus the resident one's, which score the same model);
 * everything except evaluation and GP as a share of a resident trial.
 
-Cases: ``encoder`` — the merging benchmark's MiniLM experts and heads when its cache
-exists (``--minilm-cache``), else a MiniLM-shaped BERT family (hidden 384, 6 layers,
-6 experts) with random heads; ``llama`` — a SmolLM2-135M-shaped Llama family (hidden 576,
-intermediate 1536, 30 layers, 9 heads / 3 KV heads, T = 3, bfloat16) scored by the mean
-log-likelihood of a few texts.
+Cases: ``encoder`` — the merging benchmark's MiniLM experts and heads when its cache exists
+(``minilm_cache``), else a MiniLM-shaped BERT family (hidden 384, 6 layers, 6 experts) with random
+heads; ``llama`` — a SmolLM2-135M-shaped Llama family (hidden 576, intermediate 1536, 30 layers, 9 heads
+/ 3 KV heads, T = 3, bfloat16) scored by the mean log-likelihood of a few texts.
 
-With ``--workers 1,2`` it also runs the search with resident trials on one worker (one
-device: one CPU core, or one GPU), on one worker using the whole CPU, and on two workers
-with the local and the Ray backend (one device each), and prints trials per hour, the
-speed-up over one device, the best validation score each reached by the time the slowest
-finished, and Ray's overhead per trial (its round trip minus the worker's own merge and
-evaluation).
+With ``workers=1,2`` it also runs the search with resident trials on one worker (one device: one CPU
+core, or one GPU), on one worker using the whole CPU, and on two workers with the local and the Ray
+backend (one device each): trials per hour, the speed-up over one device, the best validation score
+each reached by the time the slowest finished, and Ray's overhead per trial.
 
-    nice -n 10 python bench/search_throughput.py --case all --budget 8
-    python bench/search_throughput.py --case encoder --budget 12 --workers 1,2
-    python bench/search_throughput.py --case llama --device cuda     # the GPU table
+    python -m bench.perf search_throughput --set budget=8
+    python -m bench.perf search_throughput --set case=encoder --set budget=12 --set workers=1,2
+    python -m bench.perf search_throughput --set case=llama --set device=cuda     # the GPU table
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import ensure_llama_family, gemm_floor, solved_shapes, status_mib
+from bench.perf.harness import Group, Job, Workload, command
 
-from bench.common import ensure_llama_family, gemm_floor, solved_shapes, status_mib  # noqa: E402
-
-DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mergekit-bmm" / "bench"
+REPO = Path(__file__).resolve().parents[3]
+CALLABLE = "bench.perf.workloads.search_throughput:mean_log_likelihood"
 SENTENCES = [
     "Model merging combines experts fine-tuned from one pretrained model.",
     "A Gaussian process proposes the next regularisation strengths to try.",
@@ -66,7 +59,7 @@ def llama_case(root: Path, layers: int, eval_texts: int) -> dict:
     family = ensure_llama_family(root, 576, 1536, layers, 3, heads=9, kv_heads=3)
     evaluator = {
         "type": "python",
-        "callable": "bench.search_throughput:mean_log_likelihood",
+        "callable": CALLABLE,
         "python_path": [str(REPO)],
         "args": {"texts": texts(eval_texts)},
     }
@@ -187,7 +180,7 @@ def child(spec: dict) -> dict:
     )
     started = time.perf_counter()
     result = run_search(config, Path(spec["out"]), options, echo=lambda line: None)
-    return {
+    found = {
         "wall": time.perf_counter() - started,
         "startup": result.summary.startup_seconds,
         "plan": result.summary.memory_plan,
@@ -197,18 +190,21 @@ def child(spec: dict) -> dict:
         "peak_rss_mib": status_mib("VmHWM"),
         "private_after_mib": private_after,
     }
+    Path(spec["result"]).write_text(json.dumps(found))
+    return found
 
 
-def run_child(spec: dict) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump(spec, handle)
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", handle.name], capture_output=True, text=True, cwd=REPO
-    )
-    os.unlink(handle.name)
-    if done.returncode != 0:
-        raise SystemExit(f"search ({spec['mode']}) failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def child_job(spec: dict[str, Any]):
+    """A job: one search in a fresh interpreter (its peak memory is the process's); its trial records
+    land in the run's folder as ``result.json`` for the figures."""
+
+    def run(out: Path) -> dict[str, float]:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "spec.json"
+        path.write_text(json.dumps({**spec, "out": str(out / "search"), "result": str(out / "result.json")}))
+        return command([sys.executable, "-m", "bench.perf.workloads.search_throughput", str(path)])
+
+    return run
 
 
 # -- the table ----------------------------------------------------------------------------
@@ -299,36 +295,15 @@ def describe_workers(case: dict, runs: dict[str, dict], device: str) -> str:
     return "\n".join(lines)
 
 
-def run_workers(case: dict, args, work: Path, counts: list[int]) -> str:
-    config = case_config(case, args)
-    base = {"config": config, "device": args.device, "cache": str(work / "cache"), "mode": "memory"}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    runs = {}
-    layouts = [("1 worker, 1 device", 1, "local", 1), (f"1 worker, {cores} threads", 1, "local", cores)]
-    for count in counts:
-        if count > 1:
-            layouts += [
-                (f"{count} workers, local", count, "local", 0),
-                (f"{count} workers, ray", count, "ray", 0),
-            ]
-    for label, workers, backend, threads in layouts:
-        if args.device.startswith("cuda") and "threads" in label:
-            continue
-        print(f"[{case['title']}] {label} ...", flush=True)
-        spec = {**base, "workers": workers, "backend": backend, "threads": threads, "out": str(work / label)}
-        runs[label] = run_child(spec)
-    return describe_workers(case, runs, args.device)
-
-
-def case_config(case: dict, args) -> dict:
+def case_config(case: dict, parameters: dict[str, Any]) -> dict:
     return {
         "recipe": case["recipe"],
         "blocks": case["blocks"],
         "groups": ["attn_in", "attn_out", "mlp_in", "mlp_out"],
         "lambda_range": [1e-3, 10.0],
         "scale_range": [0.5, 1.5],
-        "budget": args.budget,
-        "n_initial": min(args.n_initial, args.budget),
+        "budget": parameters["budget"],
+        "n_initial": min(parameters["n_initial"], parameters["budget"]),
         "seed": 0,
         "acq_optimizer": "sampling",
         # trial mechanics with every example scored (bench/search_fidelity.py measures the other)
@@ -337,63 +312,114 @@ def case_config(case: dict, args) -> dict:
     }
 
 
-def run_case(case: dict, args, work: Path) -> str:
-    config = case_config(case, args)
-    cache = work / "cache"
-    base = {"config": config, "device": args.device, "threads": args.threads, "cache": str(cache)}
-    print(f"[{case['title']}] filling the factor cache ...", flush=True)
-    fill = run_child(
-        {
-            **base,
-            "mode": "memory",
-            "out": str(work / "fill"),
-            "config": {**config, "budget": 1, "n_initial": 1},
-        }
-    )
-    runs = {}
-    for mode in ("disk", "memory"):
-        print(f"[{case['title']}] search with trials: {mode} ...", flush=True)
-        runs[mode] = run_child({**base, "mode": mode, "out": str(work / mode)})
+def _cases(parameters: dict[str, Any], root: Path) -> dict[str, dict]:
+    models, chosen = root / "models", parameters["case"]
+    cases = {}
+    if chosen in ("encoder", "all"):
+        minilm = Path(parameters["minilm_cache"]) if parameters["minilm_cache"] else None
+        cases["encoder"] = encoder_case(models, minilm)
+    if chosen in ("llama", "all"):
+        cases["llama"] = llama_case(models, parameters["layers"], parameters["eval_texts"])
+    return cases
+
+
+def _layouts(parameters: dict[str, Any]) -> list[tuple[str, int, str, int]]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    layouts = [("1 worker, 1 device", 1, "local", 1), (f"1 worker, {cores} threads", 1, "local", cores)]
+    for count in (int(c) for c in str(parameters["workers"]).split(",")):
+        if count > 1:
+            layouts += [
+                (f"{count} workers, local", count, "local", 0),
+                (f"{count} workers, ray", count, "ray", 0),
+            ]
+    return [
+        layout
+        for layout in layouts
+        if not (parameters["device"].startswith("cuda") and "threads" in layout[0])
+    ]
+
+
+def build(parameters: dict[str, Any], root: Path) -> list[Group]:
+    groups = []
+    for name, case in _cases(parameters, root).items():
+        config = case_config(case, parameters)
+        base = {"config": config, "device": parameters["device"], "threads": parameters["threads"],
+                "cache": str(root / f"cache-{name}")}  # fmt: skip
+        fill = root / f"fill-{name}"  # the shared factor cache, filled once (untimed)
+        child_job({**base, "mode": "memory", "config": {**config, "budget": 1, "n_initial": 1}})(fill)
+        disk = f"{name}: search, trials on disk"
+        resident = Job(f"{name}: search, resident trials", child_job({**base, "mode": "memory"}), disk)
+        groups.append(Group([Job(disk, child_job({**base, "mode": "disk"})), resident], rounds=1))
+        layouts = _layouts(parameters)
+        if len(layouts) > 2:
+            jobs = [
+                Job(
+                    f"{name}: {label}",
+                    child_job({**base, "mode": "memory", "workers": n, "backend": b, "threads": t}),
+                )
+                for label, n, b, t in layouts
+            ]
+            groups.append(Group(jobs, rounds=1))
+    return groups
+
+
+def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    floor = gemm_floor(solved_shapes(Path(case["base"])), repeats=3, device=args.device)
-    table = describe(case, runs, fill["startup"], floor, args.device)
-    counts = [int(count) for count in args.workers.split(",")]
-    if any(count > 1 for count in counts):
-        table += "\n\n" + run_workers(case, args, work, counts)
-    return table
+    out = {}
+    for number, (name, case) in enumerate(_cases(parameters, root).items()):
+        group = 2 * number if len(_layouts(parameters)) > 2 else number
+        runs = {mode: json.loads((root / "out" / f"group-{group}" / str(i) / "result.json").read_text())
+                for i, mode in enumerate(("disk", "memory"))}  # fmt: skip
+        fill = json.loads((root / f"fill-{name}" / "result.json").read_text())
+        if parameters["threads"]:
+            torch.set_num_threads(parameters["threads"])
+        floor = gemm_floor(solved_shapes(Path(case["base"])), repeats=3, device=parameters["device"])
+        out[name] = "\n" + describe(case, runs, fill["startup"], floor, parameters["device"])
+        layouts = _layouts(parameters)
+        if len(layouts) > 2:
+            folder = root / "out" / f"group-{group + 1}"
+            workers = {label: json.loads((folder / str(i) / "result.json").read_text())
+                       for i, (label, *_) in enumerate(layouts)}  # fmt: skip
+            out[f"{name}, workers"] = "\n" + describe_workers(case, workers, parameters["device"])
+    return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--case", choices=["encoder", "llama", "all"], default="all")
-    parser.add_argument("--budget", type=int, default=8, help="K trials per search")
-    parser.add_argument("--n-initial", type=int, default=4)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--layers", type=int, default=30, help="layers of the llama case")
-    parser.add_argument("--eval-texts", type=int, default=64, help="validation texts of the llama case")
-    parser.add_argument("--workers", default="1", help="worker counts to compare, e.g. 1,2")
-    parser.add_argument("--minilm-cache", type=Path, default=Path("/work/bench-cache"))
-    parser.add_argument("--models", type=Path, default=DEFAULT_CACHE, help="where model families are kept")
-    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child is not None:
-        print(json.dumps(child(json.loads(args.child.read_text()))))
-        return
-    tables = []
-    with tempfile.TemporaryDirectory(prefix="bmm-throughput-") as scratch:
-        scratch = Path(scratch)
-        if args.case in ("encoder", "all"):
-            tables.append(run_case(encoder_case(args.models, args.minilm_cache), args, scratch / "encoder"))
-        if args.case in ("llama", "all"):
-            tables.append(
-                run_case(llama_case(args.models, args.layers, args.eval_texts), args, scratch / "llama")
-            )
-    print("\n\n".join(tables))
+WORKLOAD = Workload(
+    name="search_throughput",
+    summary="search trials on disk against resident, and one worker against several (local, Ray)",
+    sizes={
+        "full": {
+            "case": "all",
+            "budget": 8,
+            "n_initial": 4,
+            "device": "cpu",
+            "threads": 0,
+            "layers": 30,
+            "eval_texts": 64,
+            "workers": "1",
+            "minilm_cache": "/work/bench-cache",
+            "rounds": 1,
+        },
+        "quick": {
+            "case": "llama",
+            "budget": 2,
+            "n_initial": 1,
+            "device": "cpu",
+            "threads": 1,
+            "layers": 1,
+            "eval_texts": 2,
+            "workers": "1",
+            "minilm_cache": "",
+            "rounds": 1,
+        },
+    },  # fmt: skip
+    build=build,
+    figures=figures,
+    notes=lambda p: f"case {p['case']}, K = {p['budget']}, device {p['device']}, workers {p['workers']}",
+)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # child_job's process: one search
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    child(json.loads(Path(sys.argv[1]).read_text()))
