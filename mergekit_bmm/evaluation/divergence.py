@@ -52,8 +52,8 @@ def reference_of(log_probs: torch.Tensor, top_k: int | None) -> Reference:
     if k == log_probs.shape[-1]:
         rest = torch.full(values.shape[:-1], LOG_FLOOR)
     else:
-        rest = rest_log_mass(values).float()
-    return Reference(values, index, rest)
+        rest = rest_log_mass(values).float().cpu()
+    return Reference(values.cpu(), index.cpu(), rest)
 
 
 def _coarsened(log_probs: torch.Tensor, reference: Reference) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,11 +67,11 @@ def divergence(log_probs: torch.Tensor, reference: Reference | None, objective: 
     log-probabilities and the expert's reference (``entropy`` needs none)."""
     if objective == "entropy":
         logs = log_probs.double()
-        return -(logs.exp() * logs).sum(dim=-1)
+        return -(logs.exp() * logs).sum(dim=-1).cpu()
     if reference is None:
         raise ValueError(f"objective {objective!r} compares with an expert: give its reference")
     if objective == "top1":
-        return (log_probs.argmax(dim=-1).cpu() != reference.top_index[:, 0]).double()
+        return (log_probs.argmax(dim=-1).cpu() != reference.top_index[:, 0].cpu()).double()
     q_top, q_rest = _coarsened(log_probs, reference)
     p_top = reference.top_log_probs.double().to(q_top.device)
     p_rest = reference.rest_log_prob.double().to(q_top.device)

@@ -50,7 +50,8 @@ def log_probs_per_text(
     batch_size: int,
     head: Head | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(index, [positions, outcomes] float32 log-probabilities)`` for every text in ``indices``."""
+    """``(index, [positions, outcomes] float32 log-probabilities)`` for every text in ``indices``, on the
+    model's device (a GPU keeps a large vocabulary's distributions where they were computed)."""
     device = next(model.parameters()).device
     was_training = getattr(model, "training", False)
     model.eval()
@@ -75,6 +76,6 @@ def log_probs_per_text(
                     own = logits[row, : len(rows[index])]
                 else:
                     own = logits[row : row + 1]
-                yield index, torch.log_softmax(own.float(), dim=-1).cpu()
+                yield index, torch.log_softmax(own.float(), dim=-1)  # on the model's device
     finally:
         model.train(was_training)
