@@ -33,6 +33,11 @@ class TaskSpec(_Strict):
         default_factory=dict,
         description="class name -> short text a zero-shot head embeds (the class name where missing)",
     )
+    classes: dict[str, list[str]] | None = Field(
+        default=None,
+        description="a task carved from the corpus: new class -> the corpus labels it takes (a subset of "
+        "the labels, or coarser groups of them); examples of labels not listed are dropped",
+    )
     train: int = Field(default=4000, ge=2, description="at most this many training examples")
     head: int = Field(default=2000, ge=2, description="examples the head is fitted on (not in `train`)")
     validation: int = Field(default=500, ge=1)

