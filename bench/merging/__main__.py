@@ -128,5 +128,22 @@ def score(
         click.echo(f"{split:10s} avg {100 * sum(values.values()) / len(values):.1f}  {cells}")
 
 
+@main.command()
+@click.argument(
+    "results", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True, path_type=Path)
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="curve.md, .png, .json here",
+)
+def curve(results: tuple[Path, ...], out: Path) -> None:
+    """The curve against the number of tasks, from finished runs' results.json (e.g. zeroshot8/12/16)."""
+    from bench.merging.report.curve import write_curve
+
+    click.echo(f"wrote {write_curve(list(results), out)}")
+
+
 if __name__ == "__main__":
     main()

@@ -510,6 +510,11 @@ def test_label_free_searches_beside_the_labelled_one(tiny_run, tmp_path):
     }
     assert "does a better agreement mean a better model?" in text and "oracle: BMM searched on test" in text
     assert (tmp_path / "results" / "smoke" / "label_free.png").is_file()
+    from bench.merging.report.curve import write_curve  # the curve against the number of tasks
+
+    curve = write_curve([tmp_path / "results" / "smoke" / "results.json"], tmp_path / "curve").read_text()
+    assert "2 tasks (smoke)" in curve and "bmm over task_arithmetic (data_free)" in curve
+    assert (tmp_path / "curve" / "curve.png").is_file()
     # the main searches themselves label-free: another search folder, its evaluator the agreement one
     config["search"].update({"objective": "agreement", "label_free": [], "oracle": None})
     path.write_text(yaml.safe_dump(config))

@@ -1,0 +1,149 @@
+"""The curve the paper draws: merge methods against the number of tasks (nested runs at 8, 12, 16 tasks).
+
+``python -m bench.merging curve RESULTS.json ...`` reads finished runs' ``results.json`` (one per task
+count) and writes ``curve.md`` and ``curve.png``: per task count, where Task Arithmetic, TSV-M, ISO-CTS
+and BMM over Task Arithmetic and ISO-CTS (each mode, searched and at its defaults) land in the
+pretrained → experts range, and BMM over ISO-CTS minus ISO-CTS with its paired interval; the oracle
+(scored on test) beside it where the run has one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.merging.report.cells import interval_text
+from bench.merging.report.rows import find_row, range_share
+
+ANCHORS = ("task_arithmetic", "tsv", "iso_cts")
+MODES = ("data_free", "data_assisted")
+
+
+def _cell(results: dict[str, Any], anchor: str, mode: str) -> dict[str, Any]:
+    return next((c for c in results.get("summary") or [] if (c["anchor"], c["mode"]) == (anchor, mode)), {})
+
+
+def curve_points(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One point per run, ordered by its number of tasks: each model's share of the range, and BMM over
+    ISO-CTS against ISO-CTS (paired Δ and interval), searched, at its defaults and by the oracle."""
+    points = []
+    for results in sorted(runs, key=lambda r: len(r["tasks"])):
+        shares: dict[str, float | None] = {}
+        for anchor in ANCHORS:
+            row = find_row(results, anchor)
+            shares[anchor] = range_share(results, row["avg"]) if row else None
+        for anchor in ("task_arithmetic", "iso_cts"):
+            for mode in MODES:
+                row = find_row(results, anchor, mode)
+                if row:
+                    shares[f"bmm over {anchor} ({mode})"] = range_share(results, row["avg"])
+                    defaults = row.get("defaults") or {}
+                    if defaults.get("avg") is not None:
+                        shares[f"bmm over {anchor} ({mode}), defaults"] = range_share(
+                            results, defaults["avg"]
+                        )
+        versus = {}
+        for mode in MODES:
+            cell = _cell(results, "iso_cts", mode)
+            if "delta" in cell:
+                versus[mode] = {
+                    "estimate": cell["delta"],
+                    "low": cell["delta_low"],
+                    "high": cell["delta_high"],
+                }
+                if "oracle_delta" in cell:
+                    versus[f"{mode}, oracle"] = {
+                        "estimate": cell["oracle_delta"],
+                        "low": cell["oracle_delta_low"],
+                        "high": cell["oracle_delta_high"],
+                    }
+        points.append(
+            {"name": results["name"], "tasks": len(results["tasks"]), "shares": shares, "versus": versus}
+        )
+    return points
+
+
+def curve_markdown(points: list[dict[str, Any]]) -> str:
+    names = list(dict.fromkeys(name for point in points for name in point["shares"]))
+    lines = ["| model | " + " | ".join(f"{p['tasks']} tasks ({p['name']})" for p in points) + " |"]
+    lines.append("|---|" + "---|" * len(points))
+    for name in names:
+        cells = ["–" if p["shares"].get(name) is None else f"{100 * p['shares'][name]:.0f} %" for p in points]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    keys = list(dict.fromkeys(key for point in points for key in point["versus"]))
+    lines += [
+        "",
+        "| BMM over ISO-CTS − ISO-CTS (test, paired) | "
+        + " | ".join(f"{p['tasks']} tasks" for p in points)
+        + " |",
+    ]
+    lines.append("|---|" + "---|" * len(points))
+    for key in keys:
+        cells = []
+        for point in points:
+            figure = point["versus"].get(key)
+            cells.append("–" if figure is None else interval_text(figure, True))
+        lines.append(
+            f"| {key}{' (test as objective: a ceiling)' if 'oracle' in key else ''} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return (
+        "Share of the pretrained → experts range (test average) per number of tasks, and BMM over ISO-CTS "
+        "against ISO-CTS (points, 95 % paired interval).\n\n" + "\n".join(lines)
+    )
+
+
+def plot_curve(points: list[dict[str, Any]], path: Path) -> Path | None:
+    from bench.merging.report.plots import _pyplot, _save
+
+    if not points:
+        return None
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    counts = [p["tasks"] for p in points]
+    for name in dict.fromkeys(n for p in points for n in p["shares"] if "defaults" not in n):
+        values = [None if p["shares"].get(name) is None else 100 * p["shares"][name] for p in points]
+        left.plot(counts, values, marker="o", label=name)
+    left.set_xlabel("tasks merged")
+    left.set_ylabel("share of the pretrained → experts range (%)")
+    left.set_xticks(counts)
+    left.legend(fontsize=7)
+    for key in dict.fromkeys(k for p in points for k in p["versus"]):
+        xs = [p["tasks"] for p in points if key in p["versus"]]
+        ys = [100 * p["versus"][key]["estimate"] for p in points if key in p["versus"]]
+        low = [
+            y - 100 * p["versus"][key]["low"] for y, p in zip(ys, [p for p in points if key in p["versus"]])
+        ]
+        high = [
+            100 * p["versus"][key]["high"] - y for y, p in zip(ys, [p for p in points if key in p["versus"]])
+        ]
+        right.errorbar(
+            xs,
+            ys,
+            yerr=[low, high],
+            marker="o",
+            capsize=3,
+            label=key,
+            linestyle="--" if "oracle" in key else "-",
+        )
+    right.axhline(0, color="gray", linewidth=1)
+    right.set_xlabel("tasks merged")
+    right.set_ylabel("BMM over ISO-CTS − ISO-CTS (test points)")
+    right.set_xticks(counts)
+    right.legend(fontsize=7)
+    return _save(fig, path, 110)
+
+
+def write_curve(result_files: list[Path], out: Path) -> Path:
+    import json
+
+    runs = [json.loads(Path(path).read_text(encoding="utf-8")) for path in result_files]
+    points = curve_points(runs)
+    out.mkdir(parents=True, exist_ok=True)
+    text = ["# BMM against the number of tasks", "", curve_markdown(points), ""]
+    if plot_curve(points, out / "curve.png"):
+        text += ["![the curve](curve.png)", ""]
+    (out / "curve.md").write_text("\n".join(text), encoding="utf-8")
+    (out / "curve.json").write_text(json.dumps(points, indent=2) + "\n", encoding="utf-8")
+    return out / "curve.md"
