@@ -21,6 +21,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from bench.common import cpu_model
 from bench.merging import device, report
 from bench.merging.anchor_tuning import tune_anchor
 from bench.merging.artifacts import Artifacts, EncoderHandle, say
@@ -174,18 +175,9 @@ def run_benchmark(
 
 def machine() -> dict[str, Any]:
     """Where the figures were made: CPU model and cores, torch, the run's device and its GPU."""
-    import platform
-
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     gpu = torch.cuda.get_device_name(0) if device.current() == "cuda" else None
     return {
         "cpu": cpu,

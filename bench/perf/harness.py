@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import PeakSampler, reset_peak_rss
+from bench.common import PeakSampler, cpu_model, reset_peak_rss
 from mergekit_bmm.merge_methods.merge_findings import summaries_silenced
 
 FORKED_LIMIT = 3600.0  # seconds a forked run may take before it is taken for hung
@@ -231,14 +231,7 @@ def machine() -> dict[str, Any]:
 
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     versions = {}
     for name in ("torch", "mergekit", "transformers", "safetensors", "scikit-optimize"):
         try:
