@@ -57,8 +57,14 @@ class AgreementEvaluator:
         """Every task's expert is merged by the recipe, and every expert has a task (else one line)."""
         match_recipe(self.tasks, template)
 
-    def prepare(self, template: dict[str, Any] | None = None, echo: Callable[[str], None] = LOG.info) -> None:
+    def prepare(
+        self,
+        template: dict[str, Any] | None = None,
+        echo: Callable[[str], None] = LOG.info,
+        progress: bool = True,
+    ) -> None:
         """Check the tasks against the recipe, then read or compute the experts' references."""
+        self.references.progress = progress
         if template is not None:
             self.check_recipe(template)
         base = self.config.base_model or (template or {}).get("base_model")

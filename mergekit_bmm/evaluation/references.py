@@ -122,6 +122,7 @@ class References:
     def __init__(self, folder: Path | None) -> None:
         self.folder = Path(folder) if folder is not None else None
         self.loaded: dict[str, TaskData] = {}
+        self.progress = True  # a bar while an expert's references are computed (off under --quiet)
 
     # ----------------------------------------------------------------- reading
     def _manifest(self, echo: Callable[[str], None]) -> ReferencesManifest:
@@ -238,7 +239,9 @@ class References:
         echo(f"references: task {task.name!r}, {len(rows)} texts through expert {task.model} and the base")
         model = _load_model(expert_path, wanted.kind, dtype, device)
         parts: list[Reference] = [None] * len(rows)  # type: ignore[list-item]
-        with tqdm(total=2 * len(rows), desc=f"references {task.name}", leave=False) as bar:
+        with tqdm(
+            total=2 * len(rows), desc=f"references {task.name}", leave=False, disable=not self.progress
+        ) as bar:
             for index, log_probs in log_probs_per_text(
                 model, wanted.kind, rows, order, pad_id, batch_size, head
             ):

@@ -129,17 +129,16 @@ class SearchRun:
     # --------------------------------------------------------------------- run
     def run(self) -> SearchResult:
         cache_dir = (self.options.cache_dir or self.folder.cache_dir) if self.options.use_cache else None
-        self.experiment = prepare_experiment(self.config, cache_dir)
-        self.config = self.config.with_search_evaluator(
-            self.experiment.base_model, self.folder.references_dir
-        )
+        experiment = self.experiment = prepare_experiment(self.config, cache_dir)
+        self.config = self.config.with_search_evaluator(experiment.base_model, self.folder.references_dir)
         self._keep_recorded_box()
-        self.proposer = make_proposer(self.experiment.space, self.config, self._start())
+        self.proposer = make_proposer(experiment.space, self.config, self._start())
         self.evaluator = make_evaluator(self.config.evaluator, self.device)  # label-free: recipe checked,
-        getattr(self.evaluator, "check_recipe", lambda _: None)(self.experiment.template)  # then references
-        resumed = self._open_folder(self.experiment)
+        getattr(self.evaluator, "check_recipe", lambda _: None)(experiment.template)  # then references
+        resumed = self._open_folder(experiment)
         try:
-            getattr(self.evaluator, "prepare", lambda *_: None)(self.experiment.template, self.echo)
+            references = getattr(self.evaluator, "prepare", lambda *_: None)
+            references(experiment.template, self.echo, self.options.progress)
             return self._run_locked(resumed)
         finally:
             self.folder.unlock()
