@@ -115,6 +115,38 @@ def data_free_equations(
     return NormalEquations(gram, cross, energy, float(len(vectors) * out_features))
 
 
+def pooled_data_free_equations(
+    task_vectors: Sequence[torch.Tensor],
+    siblings: Sequence[Sequence[torch.Tensor]],
+    dtype: torch.dtype = torch.float32,
+    balance: str = "none",
+) -> NormalEquations:
+    """Data-free equations with one Gram per input: ``G_t = Σ_p U_t^pᵀU_t^p`` over this weight and
+    its ``siblings`` (the other weights that read the same input: k and v beside q), then
+    ``G = Σ w_t G_t`` and ``C = Σ w_t U_t G_t``. A fused weight (q, k and v stacked) gets these Grams
+    by itself, so split and fused layouts solve the same problem."""
+    vectors = _stack(task_vectors, dtype)
+    if len(siblings) != len(vectors):
+        raise TensorInputError(f"got siblings for {len(siblings)} tasks and {len(vectors)} task vectors")
+    grams = []
+    rows = vectors[0].shape[0]
+    for vector, parts in zip(vectors, siblings):
+        gram = vector.T @ vector
+        for part in parts:
+            part = part.to(device=vector.device, dtype=dtype)
+            if part.ndim != 2 or part.shape[1] != vector.shape[1]:
+                raise TensorInputError(
+                    f"a weight reading the same input has shape {tuple(part.shape)}, "
+                    f"expected (*, {vector.shape[1]})"
+                )
+            gram.add_(part.T @ part)
+        grams.append(gram)
+    rows += sum(part.shape[0] for part in siblings[0])
+    equations = activation_equations(vectors, grams, dtype, balance)
+    # Data-free observations: each expert's rows of every weight that reads the input.
+    return NormalEquations(equations.gram, equations.cross, equations.energy, float(len(vectors) * rows))
+
+
 def _update_size(vector: torch.Tensor, kind: str | None) -> float:
     """``tr(U_tᵀU_t)`` or ``‖U_tᵀU_t‖_F`` of one task's update (0 when no balance asks for it)."""
     if kind is None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
 from mergekit_bmm.merge_methods.finite import check_finite, checked_base, checked_output
 from mergekit_bmm.merge_methods.lora_route import keeps_base, lora_updates, span_anchor
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
+from mergekit_bmm.merge_methods.shared_inputs import sibling_names, sibling_task_vectors
 
 LOG = logging.getLogger("mergekit_bmm")
 
@@ -161,7 +163,11 @@ class BMMMerge(GroupMergeMethod):
         transpose = stored_in_out(settings.weight_layout, info, name, group.base.id)
         if info.experts:
             return self._merge_experts(group, source, settings, transpose, cache)
-        solve = _Solve(name, group, tuple(tasks), source, settings, transpose, self.normal_equations)
+        equations = self.normal_equations
+        if settings.gram_sharing == "input" and settings.gram != "activations":  # one Gram per input
+            siblings = sibling_names(name, info, group.base.id, model_type_of(group.base.id))
+            equations = partial(self.normal_equations, siblings=siblings, transpose=transpose)
+        solve = _Solve(name, group, tuple(tasks), source, settings, transpose, equations)
         return solve.direct() if cache is None else solve.cached(cache)
 
     def _merge_experts(
@@ -221,15 +227,23 @@ class BMMMerge(GroupMergeMethod):
         group: TensorGroup,
         tasks: Sequence[TensorEntry],
         task_vectors: Sequence[torch.Tensor],
+        siblings: Sequence[str] = (),
+        transpose: bool = False,
     ) -> normal_equations.NormalEquations:
-        """G and C for the configured Gram mode."""
+        """G and C for the configured Gram mode; with ``siblings`` (``gram_sharing: input``) the
+        data-free Gram pools the weights that read the same input."""
         data_free = None
-        if settings.gram in ("data_free", "mix"):
+        if settings.gram in ("data_free", "mix") and siblings:
+            others = sibling_task_vectors(group, tasks, siblings, transpose, settings.compute_dtype)
+            data_free = normal_equations.pooled_data_free_equations(
+                task_vectors, others, settings.compute_dtype, settings.task_balance
+            )
+        elif settings.gram in ("data_free", "mix"):
             data_free = normal_equations.data_free_equations(
                 task_vectors, settings.compute_dtype, settings.task_balance
             )
-            if settings.gram == "data_free":
-                return data_free
+        if settings.gram == "data_free":
+            return data_free
         from mergekit_bmm.stats.store import activation_grams_for, activation_tokens_for
 
         d_in = task_vectors[0].shape[1]

@@ -98,6 +98,14 @@ def own_parameters() -> tuple[ParameterSpec, ...]:
             description="task balance (none, trace, frobenius or adaptive)",
         ),
         CheckedParameter(
+            "gram_sharing",
+            Literal["weight", "input"],
+            shared,
+            default="weight",
+            description="data-free Gram per weight (weight) or pooled over the weights that read one "
+            "input, q/k/v and gate/up (input)",
+        ),
+        CheckedParameter(
             "stats", str | None, shared, default=None, description="path to a statistics directory"
         ),
         CheckedParameter(
@@ -215,6 +223,7 @@ class BMMSettings:
     cache: str | None = None
     cache_dtype: torch.dtype | None = None  # None: chosen per factor (methods/factor_precision.py)
     low_rank: bool = True  # LoRA experts through their T·r subspace (mergekit_bmm.core.low_rank)
+    gram_sharing: str = "weight"  # "input": one data-free Gram for the weights that read one input
 
     @property
     def lambda_auto(self) -> bool:
@@ -243,6 +252,7 @@ class BMMSettings:
             cache=parameters.get("cache") or None,
             cache_dtype=_cache_dtype(parameters.get("cache_dtype"), parameters["compute_dtype"]),
             low_rank=parameters.get("low_rank", True) is not False,
+            gram_sharing=parameters.get("gram_sharing") or "weight",
         )
         if settings.gram in ("activations", "mix") and not settings.stats:
             raise ConfigError(

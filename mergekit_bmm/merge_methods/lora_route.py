@@ -31,6 +31,8 @@ def lora_updates(
     them, not the dense copies mergekit made from them."""
     if not settings.low_rank or settings.gram != "data_free" or settings.task_balance != "none":
         return None
+    if settings.gram_sharing != "weight":  # a Gram pooled over other weights: the full route
+        return None
     if transpose or "[" in name:  # Conv1D layouts and expert stacks: full route
         return None
     adapters = plain_adapters(group, tasks)

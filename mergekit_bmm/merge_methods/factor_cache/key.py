@@ -155,6 +155,8 @@ def factor_key(settings: BMMSettings, source: AnchorSource, transpose: bool) -> 
     )
     if settings.task_balance != "none":  # caches filled before task balance keep their keys
         description["balance"] = settings.task_balance
+    if settings.gram_sharing != "weight" and settings.gram != "activations":  # and before gram sharing
+        description["gram_sharing"] = settings.gram_sharing
     return _dump(description)
 
 
