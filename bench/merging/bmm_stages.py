@@ -151,6 +151,8 @@ def one_search(
         spec = spec.model_copy(update={key: value for key, value in changes.items() if value is not None})
         if variant.task_balance is not None:
             template["parameters"]["task_balance"] = variant.task_balance
+        if variant.gram_sharing is not None:
+            template["parameters"]["gram_sharing"] = variant.gram_sharing
     search = search_config(spec, template, search_evaluator(config, art, label_free, oracle), strategy, seed)
     label = f"{anchor}-{setting}-{strategy}" + (f"-seed{seed}" if seed else "")
     label = f"{variant.name}-{label}" if variant is not None else label

@@ -259,6 +259,9 @@ class VariantSpec(_Strict):
     budget: int | None = Field(default=None, ge=1, description="None: the main searches' budget")
     n_initial: int | None = Field(default=None, ge=1)
     task_balance: Balance | None = Field(default=None, description="bmm's `task_balance` (None: not set)")
+    gram_sharing: Literal["weight", "input"] | None = Field(
+        default=None, description="bmm's `gram_sharing` (None: not set)"
+    )
     seeds: list[int] = Field(default=[0], min_length=1)
     against: str | None = Field(
         default=None, description="the variant to pair with on test, cell by cell (None: the main search)"

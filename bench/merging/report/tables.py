@@ -225,7 +225,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
         if "candidate_reach_80" in c
     )
     if tried:
-        text += f" A proposed default (chosen on validation in the sweeps) reaching it — {tried}."
+        text += f" A proposed default (`search.default_candidates`) reaching it — {tried}."
     automatic = "; ".join(
         f"{mode}: {c['auto_reach_80']} of the {c['search_gained']}"
         for mode, c in counts.items()
