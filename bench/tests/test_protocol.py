@@ -261,29 +261,36 @@ def test_a_picture_redrawn_from_results_json_keeps_the_runs_order_of_variants(tm
     assert plot_deltas(results, tmp_path / "deltas.png").stat().st_size > 0
 
 
-def test_a_carved_task_relabels_its_corpus_and_keeps_the_corpus_test_pool(tmp_path):
+def test_a_carved_task_relabels_its_corpus_and_keeps_the_corpus_test_pool(tmp_path, monkeypatch):
     """``classes:`` groups or keeps a subset of a corpus's labels; a carved task's test texts are held out
     of the corpus as the task named like the loader holds them out, so no expert trained on them."""
     import json
 
+    from bench.merging import corpora
     from bench.merging.config import TaskSpec
     from bench.merging.tasks import build_task_data
 
-    def texts(spec: TaskSpec, split: str) -> set[str]:
+    speakers = ["CLINTON", "KAINE", "TRUMP", "PENCE", "HOLT"]
+    toy = corpora.Corpus(
+        "debates", {"all": [(f"statement {i} by someone", speakers[i % 5]) for i in range(600)]}
+    )
+    monkeypatch.setitem(corpora.BUILTIN, "debates", lambda: toy)
+
+    def texts(spec: TaskSpec, split: str):
         data, _ = build_task_data(spec, tmp_path, 0)
         lines = [json.loads(line) for line in data.data.read_text().splitlines()]
         return {line["text"] for line in lines if line["split"] == split}, data
 
-    budgets = {"train": 400, "head": 50, "validation": 50, "test": 200}
-    whole = TaskSpec(name="debate_2016", **budgets)
+    budgets = {"train": 300, "head": 20, "validation": 20, "test": 100}
+    whole = TaskSpec(name="debates", **budgets)
     carved = TaskSpec(
         name="debate_party",
-        loader="debate_2016",
+        loader="debates",
         classes={"democrat": ["CLINTON", "KAINE"], "republican": ["TRUMP", "PENCE"]},
         **budgets,
     )
     carved_test, data = texts(carved, "test")
-    assert data.labels == ("democrat", "republican")
+    assert data.labels == ("democrat", "republican")  # the moderator's lines are dropped
     assert carved_test and not carved_test & texts(whole, "train")[0]
-    with pytest.raises(Exception, match="not labels of debate_2016"):
+    with pytest.raises(Exception, match="not labels of debates"):
         build_task_data(carved.model_copy(update={"classes": {"x": ["OBAMA"]}}), tmp_path, 0)
