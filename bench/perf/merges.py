@@ -25,8 +25,13 @@ def recipe(family: dict, method: str, anchor: str | None = None, **parameters) -
         if anchor == "ties":
             models = [{"model": str(p), "parameters": {"weight": 1.0, "density": 0.2}} for p in experts]
         settings = {"anchor_method": anchor, "lambda": 0.1, "gram": "data_free", **parameters}
-        return {"merge_method": "bmm", "base_model": str(family["base"]), "models": models,
-                "parameters": settings, "dtype": "bfloat16"}  # fmt: skip
+        return {
+            "merge_method": "bmm",
+            "base_model": str(family["base"]),
+            "models": models,
+            "parameters": settings,
+            "dtype": "bfloat16",
+        }
     weights = {"weight": 1.0, "density": 0.2} if method == "ties" else {"weight": 1.0 / len(experts)}
     models = [{"model": str(p), "parameters": weights} for p in experts]
     return {"merge_method": method, "base_model": str(family["base"]), "models": models, "dtype": "bfloat16"}

@@ -129,9 +129,12 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     torch.set_num_threads(1)  # the merges run on ``threads`` in their own processes
     warm_up()
     family = make_tiny_family(
-        root / "models", "llama", n_experts=parameters["experts"], hidden=parameters["hidden"],
+        root / "models",
+        "llama",
+        n_experts=parameters["experts"],
+        hidden=parameters["hidden"],
         layers=parameters["layers"],
-    )  # fmt: skip
+    )
     stats_dir, _ = stats_for_family(root / "stats", family)
     selected = cases(stats_dir)
     if parameters["only"]:
@@ -161,7 +164,7 @@ WORKLOAD = Workload(
             "only": "ties,bmm / task_arithmetic",
             "rounds": 1,
         },
-    },  # fmt: skip
+    },
     build=build,
     notes=lambda p: (
         f"tiny Llama, hidden {p['hidden']}, {p['layers']} layers, {p['experts']} experts, float32"

@@ -78,18 +78,36 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     shapes = solved_shapes(Path(deep["base"]))
     ta = "task_arithmetic"
     groups = [
-        Group([Job(ta, mergekit_yaml(recipe(deep, ta), work, "ta")),
-               Job("bmm data-free", mergekit_yaml(recipe(deep, "bmm", ta), work, "bmm"), ta)], rounds=1),
-        Group([Job("GEMM floor of the closed form", lambda out: closed_form_floor(shapes, 3)),
-               Job("GEMM floor of a cached trial", lambda out: gemm_floor(shapes, 1))], rounds=1),
-    ]  # fmt: skip
+        Group(
+            [
+                Job(ta, mergekit_yaml(recipe(deep, ta), work, "ta")),
+                Job("bmm data-free", mergekit_yaml(recipe(deep, "bmm", ta), work, "bmm"), ta),
+            ],
+            rounds=1,
+        ),
+        Group(
+            [
+                Job("GEMM floor of the closed form", lambda out: closed_form_floor(shapes, 3)),
+                Job("GEMM floor of a cached trial", lambda out: gemm_floor(shapes, 1)),
+            ],
+            rounds=1,
+        ),
+    ]
     if parameters["depth"]:
         shallow = family(models, 4, shape)
         groups.append(
-            Group([Job("depth 4: task_arithmetic", mergekit_yaml(recipe(shallow, ta), work, "ta-4")),
-               Job("depth 4: bmm data-free", mergekit_yaml(recipe(shallow, "bmm", ta), work, "bmm-4"),
-                   "depth 4: task_arithmetic")], rounds=1)
-        )  # fmt: skip
+            Group(
+                [
+                    Job("depth 4: task_arithmetic", mergekit_yaml(recipe(shallow, ta), work, "ta-4")),
+                    Job(
+                        "depth 4: bmm data-free",
+                        mergekit_yaml(recipe(shallow, "bmm", ta), work, "bmm-4"),
+                        "depth 4: task_arithmetic",
+                    ),
+                ],
+                rounds=1,
+            )
+        )
     if parameters["cache_layers"]:
         cached = family(models, parameters["cache_layers"], shape)
         cache = (
@@ -100,11 +118,14 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
         fill = recipe(cached, "bmm", ta, cache=str(cache))  # its cache lands in its own (fresh) folder
         groups.append(
             Group(
-                [Job("bmm cache fill", mergekit_yaml(fill, work, "fill", into="model")),
-                 Job("bmm cached trial", mergekit_yaml(trial, work, "trial"), "bmm cache fill")],
-                rounds=1, warmup=0,
+                [
+                    Job("bmm cache fill", mergekit_yaml(fill, work, "fill", into="model")),
+                    Job("bmm cached trial", mergekit_yaml(trial, work, "trial"), "bmm cache fill"),
+                ],
+                rounds=1,
+                warmup=0,
             )
-        )  # fmt: skip
+        )
     return groups
 
 
@@ -119,8 +140,10 @@ def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) 
         "body": f"{_weights(deep['base']) / 1e9:.2f} B weights, {folder_gib(deep['base']):.2f} GiB",
         "bmm data-free": f"TA + {(bmm['seconds'] - ta['seconds']) / floor:.2f} × the closed form's floor",
     }
-    for label, shallow, full in (("task_arithmetic", "depth 4: task_arithmetic", ta),
-                                 ("bmm data-free", "depth 4: bmm data-free", bmm)):  # fmt: skip
+    for label, shallow, full in (
+        ("task_arithmetic", "depth 4: task_arithmetic", ta),
+        ("bmm data-free", "depth 4: bmm data-free", bmm),
+    ):
         if shallow not in by:
             continue
         a, b = by[shallow]["private_mib"], full["private_mib"]
@@ -165,7 +188,7 @@ WORKLOAD = Workload(
             "depth": False,
             "rounds": 1,
         },
-    },  # fmt: skip
+    },
     build=build,
     figures=figures,
     notes=lambda p: (

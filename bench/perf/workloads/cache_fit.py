@@ -64,9 +64,14 @@ def _base_model(root: Path) -> Path:
         import transformers
 
         config = transformers.LlamaConfig(
-            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-            num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
-        )  # fmt: skip
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            tie_word_embeddings=True,
+        )
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(config).save_pretrained(folder)
     return folder
@@ -107,9 +112,12 @@ def recipe(paths: dict, mode: str, stats: Path | None, dtype: str = "bfloat16", 
         parameters["stats"] = str(stats)
     models = [{"model": str(p), "parameters": {"weight": 1 / 3}} for p in paths["experts"]]
     config = {
-        "merge_method": "bmm", "base_model": str(paths["base"]), "models": models,
-        "parameters": parameters, "dtype": dtype,
-    }  # fmt: skip
+        "merge_method": "bmm",
+        "base_model": str(paths["base"]),
+        "models": models,
+        "parameters": parameters,
+        "dtype": dtype,
+    }
     return yaml.safe_dump(config, sort_keys=False)
 
 
@@ -154,8 +162,15 @@ def accuracy_merges(where: Path, paths: dict, mode: str, stats: Path | None) -> 
 def _sources(parameters: dict[str, Any], root: Path) -> Path:
     if parameters["real_model"]:
         return _base_model(root / "models")
-    shape = ensure_llama_family(root / "models", parameters["hidden"], 4 * parameters["hidden"],
-                                parameters["layers"], 1, heads=4, kv_heads=2)  # fmt: skip
+    shape = ensure_llama_family(
+        root / "models",
+        parameters["hidden"],
+        4 * parameters["hidden"],
+        parameters["layers"],
+        1,
+        heads=4,
+        kv_heads=2,
+    )
     return Path(shape["base"])
 
 
@@ -187,7 +202,7 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
                     recipe(p, m, s, cache=str(out / "cache")), out / "model"
                 ),
                 uncached,
-            ),  # fmt: skip
+            ),
             Job(f"{name} / {mode}: cached trial", lambda out, t=trial: merge(t, out), uncached),
         ]
         groups.append(Group(jobs))

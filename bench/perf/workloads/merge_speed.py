@@ -103,8 +103,15 @@ def floor_job(shapes, fill: bool = False) -> Callable[[Path], object]:
 
 def _smollm2(parameters: dict[str, Any], root: Path) -> dict:
     family = smollm2_family(root / "models") if parameters["real_model"] else None
-    return family or ensure_llama_family(root / "models", parameters["hidden"], parameters["intermediate"],
-                                         parameters["layers"], 3, heads=9, kv_heads=3)  # fmt: skip
+    return family or ensure_llama_family(
+        root / "models",
+        parameters["hidden"],
+        parameters["intermediate"],
+        parameters["layers"],
+        3,
+        heads=9,
+        kv_heads=3,
+    )
 
 
 def build(parameters: dict[str, Any], root: Path) -> list[Group]:
@@ -146,9 +153,11 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
             deep += [
                 Job(f"depth {layers}: task_arithmetic", merge_job(recipe(family_deep, ta))),
                 Job(f"depth {layers}: bmm over TA", merge_job(recipe(family_deep, "bmm", ta))),
-                Job(f"depth {layers}: bmm over TA, 50 MB shards",
-                    merge_job(recipe(family_deep, "bmm", ta), SMALL_SHARDS)),
-            ]  # fmt: skip
+                Job(
+                    f"depth {layers}: bmm over TA, 50 MB shards",
+                    merge_job(recipe(family_deep, "bmm", ta), SMALL_SHARDS),
+                ),
+            ]
         groups.append(Group(deep, fork=True, threads=threads, rounds=1, warmup=0))
     if parameters["wide"]:
         wide = ensure_llama_family(root / "models", 2048, 5632, 1, 3, heads=16, kv_heads=4)
@@ -166,8 +175,9 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
 def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """bmm against TA plus its floor; the fill against the uncached merge; private memory against depth."""
     seconds = {row["label"]: row["seconds"] for row in rows}
-    floor, ta, bmm_ta = (seconds[k] for k in ("GEMM floor of the closed form", "task_arithmetic",
-                                              "bmm over task_arithmetic"))  # fmt: skip
+    floor, ta, bmm_ta = (
+        seconds[k] for k in ("GEMM floor of the closed form", "task_arithmetic", "bmm over task_arithmetic")
+    )
     out = {
         "bmm over TA": f"TA + {(bmm_ta - ta) / floor:.2f} × the closed form's floor (target: 1.5)",
         "bmm over TIES": f"TIES + {(seconds['bmm over ties'] - seconds['ties']) / floor:.2f} × the floor",
@@ -198,7 +208,7 @@ WORKLOAD = Workload(
             "wide": False,
             "rounds": 1,
         },
-    },  # fmt: skip
+    },
     build=build,
     figures=figures,
     notes=lambda p: (

@@ -138,8 +138,10 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     family, budget, blocks = _family(parameters, root), parameters["budget"], parameters["blocks"]
     configs = {_label(s, a): _config(family, s, budget, blocks, a, root) for s, a in STRATEGIES}
     baseline = _label(*STRATEGIES[0])
-    searches = [Job(label, lambda out, c=config: _search(c, out), None if label == baseline else baseline)
-                for label, config in configs.items()]  # fmt: skip
+    searches = [
+        Job(label, lambda out, c=config: _search(c, out), None if label == baseline else baseline)
+        for label, config in configs.items()
+    ]
     bo = _label("bo", "sampling")
     finished = root / "out" / "group-0" / str(list(configs).index(bo))  # the harness's folder of that search
     snapshot = "resume one more trial from the snapshot (proposer.pkl)"

@@ -343,8 +343,12 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     groups = []
     for name, case in _cases(parameters, root).items():
         config = case_config(case, parameters)
-        base = {"config": config, "device": parameters["device"], "threads": parameters["threads"],
-                "cache": str(root / f"cache-{name}")}  # fmt: skip
+        base = {
+            "config": config,
+            "device": parameters["device"],
+            "threads": parameters["threads"],
+            "cache": str(root / f"cache-{name}"),
+        }
         fill = root / f"fill-{name}"  # the shared factor cache, filled once (untimed)
         child_job({**base, "mode": "memory", "config": {**config, "budget": 1, "n_initial": 1}})(fill)
         disk = f"{name}: search, trials on disk"
@@ -369,8 +373,10 @@ def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) 
     out = {}
     for number, (name, case) in enumerate(_cases(parameters, root).items()):
         group = 2 * number if len(_layouts(parameters)) > 2 else number
-        runs = {mode: json.loads((root / "out" / f"group-{group}" / str(i) / "result.json").read_text())
-                for i, mode in enumerate(("disk", "memory"))}  # fmt: skip
+        runs = {
+            mode: json.loads((root / "out" / f"group-{group}" / str(i) / "result.json").read_text())
+            for i, mode in enumerate(("disk", "memory"))
+        }
         fill = json.loads((root / f"fill-{name}" / "result.json").read_text())
         if parameters["threads"]:
             torch.set_num_threads(parameters["threads"])
@@ -379,8 +385,10 @@ def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) 
         layouts = _layouts(parameters)
         if len(layouts) > 2:
             folder = root / "out" / f"group-{group + 1}"
-            workers = {label: json.loads((folder / str(i) / "result.json").read_text())
-                       for i, (label, *_) in enumerate(layouts)}  # fmt: skip
+            workers = {
+                label: json.loads((folder / str(i) / "result.json").read_text())
+                for i, (label, *_) in enumerate(layouts)
+            }
             out[f"{name}, workers"] = "\n" + describe_workers(case, workers, parameters["device"])
     return out
 
@@ -413,7 +421,7 @@ WORKLOAD = Workload(
             "minilm_cache": "",
             "rounds": 1,
         },
-    },  # fmt: skip
+    },
     build=build,
     figures=figures,
     notes=lambda p: f"case {p['case']}, K = {p['budget']}, device {p['device']}, workers {p['workers']}",

@@ -210,7 +210,7 @@ WORKLOAD = Workload(
             "precisions": "float32",
             "rounds": 1,
         },
-    },  # fmt: skip
+    },
     build=build,
     figures=figures,
     notes=lambda p: (

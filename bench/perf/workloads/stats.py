@@ -76,10 +76,13 @@ def _cases(parameters: dict[str, Any], root: Path):
             case = root / f"{architecture}-{layers}"
             family = make_tiny_family(case / "models", architecture, 3, parameters["hidden"], layers)
             tasks = [
-                {"name": e.name, "model": str(e), "data": str(write_data(case / f"{e.name}.jsonl",
-                 parameters["samples"], 7 * index))}
+                {
+                    "name": e.name,
+                    "model": str(e),
+                    "data": str(write_data(case / f"{e.name}.jsonl", parameters["samples"], 7 * index)),
+                }
                 for index, e in enumerate(family.experts)
-            ]  # fmt: skip
+            ]
             config = {
                 "tasks": tasks,
                 "max_samples": parameters["samples"],
@@ -145,7 +148,7 @@ WORKLOAD = Workload(
             "device": "cpu",
             "rounds": 1,
         },
-    },  # fmt: skip
+    },
     build=build,
     figures=figures,
     notes=lambda p: (

@@ -100,10 +100,13 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     family, work = _family(parameters, root), root / "inputs"
     work.mkdir(parents=True, exist_ok=True)
     tasks = [
-        {"name": path.name, "model": str(path), "data": str(write_data(work / f"{path.name}.jsonl",
-         parameters["samples"], i))}
+        {
+            "name": path.name,
+            "model": str(path),
+            "data": str(write_data(work / f"{path.name}.jsonl", parameters["samples"], i)),
+        }
         for i, path in enumerate(family["experts"])
-    ]  # fmt: skip
+    ]
     config = {"tasks": tasks, "max_samples": parameters["samples"], "max_length": parameters["max_length"]}
     (work / "stats.yml").write_text(json.dumps({**config, "batch_size": 2}))
 
@@ -127,15 +130,23 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
             "merge_method": "bmm",
             "base_model": str(family["base"]),
             "models": [{"model": str(p), "parameters": {"weight": 0.5}} for p in family["experts"]],
-            "parameters": {"anchor_method": "task_arithmetic", "lambda": 0.05, "gram": "activations",
-                           "stats": str(collected)},
+            "parameters": {
+                "anchor_method": "task_arithmetic",
+                "lambda": 0.05,
+                "gram": "activations",
+                "stats": str(collected),
+            },
             "dtype": "bfloat16",
-        }  # fmt: skip
+        }
         (work / "recipe.yml").write_text(json.dumps(recipe))
         cuda = ["--cuda"] if parameters["device"].startswith("cuda") else []
         merge = [str(BIN / "mergekit-yaml"), str(work / "recipe.yml")]
-        jobs.append(Job("mergekit-yaml, gram: activations", lambda out: command(
-            [*merge, str(out), "--no-copy-tokenizer", *cuda], ENV)))  # fmt: skip
+        jobs.append(
+            Job(
+                "mergekit-yaml, gram: activations",
+                lambda out: command([*merge, str(out), "--no-copy-tokenizer", *cuda], ENV),
+            )
+        )
     return [Group(jobs)]
 
 
@@ -177,7 +188,7 @@ WORKLOAD = Workload(
             "baseline_command": "",
             "rounds": 1,
         },
-    },  # fmt: skip
+    },
     build=build,
     figures=figures,
     notes=lambda p: (
