@@ -221,19 +221,6 @@ def test_a_moe_merge_through_the_factor_cache_equals_the_direct_one_and_says_wha
     assert not set(stacks) & {name for names in kept.values() for name in names}
 
 
-@pytest.mark.parametrize("gram", ["activations", "mix"])
-def test_data_assisted_bmm_refuses_expert_stacks_in_one_line(gram, tmp_path):
-    from mergekit.merge_methods.api import merge_tensors
-
-    from mergekit_bmm.errors import ConfigError
-
-    stacks = [torch.randn(4, 8, 6) for _ in range(3)]
-    name = "model.layers.0.mlp.experts.down_proj"
-    parameters = {"gram": gram, "stats": str(tmp_path), "weight_layout": "out_in"}
-    with pytest.raises(ConfigError, match=f"`gram: {gram}` cannot solve the mixture-of-experts stack {name}"):
-        merge_tensors(stacks, "bmm", base_index=0, name=name, parameters=parameters)
-
-
 def test_a_search_over_a_moe_scores_resident_trials_as_merged_folders(families, tmp_path, one_torch_thread):
     """Resident trials re-solve each expert of a stack in place: the same scores as merging to disk."""
     from mergekit_bmm.search import SearchOptions, parse_search_config, run_search

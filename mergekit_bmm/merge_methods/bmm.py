@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -38,7 +38,7 @@ from mergekit.merge_methods.base import (
 from mergekit_bmm.core import closed_form, normal_equations
 from mergekit_bmm.core.low_rank import LowRankUpdate, low_rank_factors
 from mergekit_bmm.core.module_map import ModuleInfo, classify
-from mergekit_bmm.errors import ConfigError, TensorInputError
+from mergekit_bmm.errors import TensorInputError
 from mergekit_bmm.io.model_folder import model_type_of
 from mergekit_bmm.merge_methods import chosen_lambdas, kept_at_anchor, merge_findings
 from mergekit_bmm.merge_methods import observer as solved_tensors
@@ -49,6 +49,7 @@ from mergekit_bmm.merge_methods.bmm_anchor import (
     resolve_anchor_method,
 )
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings, build_spec
+from mergekit_bmm.merge_methods.expert_slices import expert_slice, unreached
 from mergekit_bmm.merge_methods.factor_cache import key as cache_key
 from mergekit_bmm.merge_methods.factor_cache.fill import fill_exact_factors, fill_factors, thin_rank
 from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
@@ -92,19 +93,10 @@ def stored_in_out(weight_layout: str, info: ModuleInfo, name: str, model: Any) -
     return info.stored_in_out
 
 
-def expert_slice(group: TensorGroup, index: int) -> TensorGroup:
-    """Expert ``index`` of a mixture-of-experts stack, as its own group (named ``stack[index]``)."""
-    entries = tuple(TensorEntry(e.id, e.tensor[index], e.is_base) for e in group.entries)
-    return TensorGroup(entries, replace(group.metadata, name=f"{group.metadata.name}[{index}]"))
-
-
-def refuse_data_assisted_experts(settings: BMMSettings, name: str) -> None:
-    if settings.gram != "data_free":
-        raise ConfigError(
-            f"bmm: `gram: {settings.gram}` cannot solve the mixture-of-experts stack {name}: statistics "
-            "are not collected per expert yet; use `gram: data_free` for this model "
-            "(docs/architectures.md)"
-        )
+def no_routed_token(settings: BMMSettings, name: str, tasks: Sequence[TensorEntry]) -> bool:
+    """A data-assisted solve of a mixture-of-experts expert that no calibration token reached
+    (it keeps the anchor: a zero Gram has nothing to solve with)."""
+    return settings.gram != "data_free" and unreached(settings.stats, name, [t.id for t in tasks])
 
 
 class BMMMerge(GroupMergeMethod):
@@ -159,7 +151,9 @@ class BMMMerge(GroupMergeMethod):
             kind = "no_experts" if info is not None else kept_at_anchor.kind_of(name, base.ndim)
             kept_at_anchor.note(name, kind)
             return self.unsolved(settings, source, cache).to(base.dtype)
-
+        if not info.experts and no_routed_token(settings, name, tasks):
+            kept_at_anchor.note(name, "no_routed_tokens")  # a checkpoint's per-expert weight
+            return self.unsolved(settings, source, cache).to(base.dtype)
         transpose = stored_in_out(settings.weight_layout, info, name, group.base.id)
         if info.experts:
             return self._merge_experts(group, source, settings, transpose, cache)
@@ -179,18 +173,23 @@ class BMMMerge(GroupMergeMethod):
         cache: FactorCache | None,
     ) -> torch.Tensor:
         """Each expert of an (E, out, in) stack solved as its own weight; the anchor is computed
-        once for the whole stack (only if a slice needs it) and sliced."""
-        refuse_data_assisted_experts(settings, group.metadata.name or "")
+        once for the whole stack (only if a slice needs it) and sliced. Data-assisted modes read
+        each expert's Grams of its routed tokens; an expert no task's token reached keeps the anchor."""
         whole = StackAnchor(lambda: self.unsolved(settings, source, cache))
         task_ids = {task.id for task in source.tasks}
+        count = group.base.tensor.shape[0]
         merged = []
-        for index in range(group.base.tensor.shape[0]):
+        for index in range(count):
             part = expert_slice(group, index)
             tasks = tuple(entry for entry in part.entries if entry.id in task_ids)
             anchor = ExpertAnchor(source, part, tasks, index, whole)
-            solve = _Solve(
-                part.metadata.name, part, tasks, anchor, settings, transpose, self.normal_equations
-            )
+            name = part.metadata.name
+            if no_routed_token(settings, name, tasks):
+                kept_at_anchor.note(name, "no_routed_tokens")
+                merged.append(anchor.weight(settings.compute_dtype).to(group.base.tensor.dtype))
+                continue
+            equations = self.normal_equations
+            solve = _Solve(name, part, tasks, anchor, settings, transpose, equations, (index, count))
             merged.append(solve.direct() if cache is None else solve.cached(cache))
         return torch.stack(merged)
 
@@ -250,7 +249,7 @@ class BMMMerge(GroupMergeMethod):
         models = [e.id for e in tasks]
         grams = activation_grams_for(settings.stats, group.metadata.name, models, d_in=d_in)
         grams = [g.to(device=task_vectors[0].device) for g in grams]
-        tokens = activation_tokens_for(settings.stats, models)
+        tokens = activation_tokens_for(settings.stats, models, group.metadata.name)
         few = normal_equations.activation_equations(
             task_vectors, grams, settings.compute_dtype, settings.task_balance, tokens
         )
@@ -275,6 +274,7 @@ class _Solve:
     settings: BMMSettings
     transpose: bool
     equations_for: Callable[..., normal_equations.NormalEquations]
+    expert: tuple[int, int] | None = None  # (index, count) of a mixture-of-experts slice
 
     def orient(self, matrix: torch.Tensor) -> torch.Tensor:
         return matrix.T if self.transpose else matrix
@@ -424,6 +424,7 @@ class _Solve:
                     self.base.dtype,
                     compute_dtype,
                     eigen=eigen,
+                    expert=self.expert,
                 )  # fmt: skip
             )
         return (base_c + self.settings.scale * self.orient(merged)).to(self.base.dtype)

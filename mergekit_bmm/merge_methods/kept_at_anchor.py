@@ -25,6 +25,7 @@ KINDS: dict[str, str] = {
     "no_group": "2-D weights in a layer that no module group covers",
     "other_shapes": "tensors of 3 or more dimensions that are not expert stacks",
     "no_experts": "weights every expert leaves unchanged (no task vector)",
+    "no_routed_tokens": "mixture-of-experts experts that no calibration token was routed to",
 }
 
 _kept: Tally[str] = Tally()  # tensor name -> kind

@@ -36,6 +36,7 @@ class SolvedTensor:
     storage_dtype: torch.dtype
     compute_dtype: torch.dtype
     eigen: tuple[torch.Tensor, torch.Tensor] | None = None
+    expert: tuple[int, int] | None = None  # (index, count): one expert of a stack named ``stack[index]``
 
     def weight(self, task_vector: torch.Tensor) -> torch.Tensor:
         """``W_pre + s·U`` in storage layout and dtype: the kernel's own output formula."""

@@ -6,18 +6,25 @@ The Grams come from a statistics directory (``stats:``, written by ``mergekit-bm
 format in :mod:`mergekit_bmm.stats.store`), read only through
 :func:`~mergekit_bmm.stats.store.activation_grams_for`, which matches each expert to its task
 by path and refuses statistics made from other checkpoints. The same directory serves
-data-assisted ``bmm``; inside a ``bmm`` recipe with ``anchor_method: regmean``, bmm's own
+data-assisted ``bmm``; each expert of a mixture-of-experts stack is solved with its own Grams
+of the tokens routed to it. Inside a ``bmm`` recipe with ``anchor_method: regmean``, bmm's own
 ``stats`` feeds the anchor too unless ``anchor_stats`` is given.
 """
 
 from __future__ import annotations
 
+import logging
+
 from mergekit.merge_methods.base import ParameterScope
 
+from mergekit_bmm.core.merge_tools import mean_task_vector
 from mergekit_bmm.core.regmean import DEFAULT_OFF_DIAGONAL_SCALE, regmean_merge
 from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.merge_methods.expert_slices import unreached
 from mergekit_bmm.merge_methods.parameter_ranges import CheckedParameter
 from mergekit_bmm.merge_methods.task_vector_method import TaskVectorMethod
+
+LOG = logging.getLogger("mergekit_bmm")
 
 
 class RegMeanMerge(TaskVectorMethod):
@@ -58,17 +65,16 @@ class RegMeanMerge(TaskVectorMethod):
                 "mergekit-bmm-stats) to the recipe's parameters"
             )
 
-    def check_experts(self, name):
-        raise ConfigError(
-            f"regmean cannot merge the mixture-of-experts stack {name}: statistics are not collected "
-            "per expert yet; use a data-free method (or anchor) for this model (docs/architectures.md)"
-        )
-
     def merge_matrix(self, task_vectors, group, tasks, parameters):
         from mergekit_bmm.stats.store import activation_grams_for
 
         stats_dir = parameters["stats"]
         name = group.metadata.name or ""
+        if unreached(stats_dir, name, [entry.id for entry in tasks]):
+            # an expert of a stack no calibration token reached: RegMean's rule for weights it has
+            # no statistics for (the experts' mean)
+            LOG.warning("regmean: no calibration token was routed to %s; its experts are averaged", name)
+            return mean_task_vector(task_vectors)
         in_features = task_vectors[0].shape[1]
         # the store checks each Gram's size and finiteness against the weight
         grams = activation_grams_for(stats_dir, name, [entry.id for entry in tasks], d_in=in_features)

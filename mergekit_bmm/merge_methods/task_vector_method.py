@@ -38,6 +38,7 @@ from mergekit_bmm.core.merge_tools import compute_dtype, mean_task_vector
 from mergekit_bmm.core.module_map import ModuleInfo, classify
 from mergekit_bmm.errors import TensorInputError
 from mergekit_bmm.io.model_folder import model_type_of
+from mergekit_bmm.merge_methods.expert_slices import expert_slice
 from mergekit_bmm.merge_methods.finite import check_finite, checked_output
 from mergekit_bmm.merge_methods.parameter_ranges import CheckedParameter
 
@@ -118,10 +119,6 @@ class TaskVectorMethod(GroupMergeMethod):
     ) -> torch.Tensor:
         """The merged task vector of one 2D body weight, given in ``(out, in)`` orientation."""
 
-    def check_experts(self, name: str) -> None:
-        """Called before solving a mixture-of-experts stack expert by expert (methods that need
-        per-expert statistics refuse here)."""
-
     def _matrix(
         self,
         task_vectors: Sequence[torch.Tensor],
@@ -148,12 +145,13 @@ class TaskVectorMethod(GroupMergeMethod):
         info = body_matrix(group, parameters.get("weight_layout") or "auto")
         if info is None:
             merged = mean_task_vector(task_vectors)
-        elif info.experts:  # a mixture-of-experts stack: each expert is its own matrix
-            self.check_experts(group.metadata.name or "")
+        elif info.experts:  # a mixture-of-experts stack: each expert is its own matrix (``stack[e]``)
             merged = torch.stack(
                 [
-                    self._matrix([v[index] for v in task_vectors], group, tasks, parameters, info)
-                    for index in range(base.shape[0])
+                    self._matrix(
+                        [v[e] for v in task_vectors], expert_slice(group, e), tasks, parameters, info
+                    )
+                    for e in range(base.shape[0])
                 ]
             )
         else:

@@ -133,17 +133,12 @@ class Sampler:
         self.out_dtype = out_dtype  # mergekit casts what it saves to the recipe's `out_dtype`
         self.writers = [layout.sample_writer(path, max_shard_bytes) for path in member_dirs]
         self.records: dict[str, TensorRecord] = {}
+        self._stacks: dict[tuple[str, int], dict[int, torch.Tensor]] = {}  # (stack, member) -> experts
         self._lock = threading.Lock()
 
     def __call__(self, solved: SolvedTensor) -> None:
         if not self.request.selects(solved.name):
             return
-        if solved.name.endswith("]"):  # one expert of a mixture-of-experts stack (bmm's `stack[index]`)
-            stack = solved.name.rsplit("[", 1)[0]
-            raise ConfigError(
-                f"mergekit-bmm-sample cannot sample the mixture-of-experts stack {stack} yet; give a "
-                "--filter that leaves the experts out (e.g. self_attn)"
-            )
         merged = solved.merged
         shape = tuple(merged.shape)
         factor, record = self._noise_model(solved)
@@ -160,9 +155,30 @@ class Sampler:
             remedy = "a smaller --iid-sigma" if self.request.iid_sigma is not None else "a larger --beta"
             hint = f"sample {index}: the noise overflows the output dtype; use {remedy}"
             checked_output(weight, solved.name, "mergekit-bmm-sample", hint)
-            writer.save_tensor(solved.name, layout.as_cpu(weight))
+            self._save(writer, index, solved, layout.as_cpu(weight))
         with self._lock:
             self.records[solved.name] = record
+
+    def written(self) -> set[str]:
+        """The tensor names the members hold: a mixture-of-experts stack once for its experts."""
+        return {name.rsplit("[", 1)[0] if name.endswith("]") else name for name in self.records}
+
+    def _save(self, writer: Any, member: int, solved: SolvedTensor, weight: torch.Tensor) -> None:
+        """Write a member's tensor; an expert of a mixture-of-experts stack waits for its siblings
+        (each drawn from its own posterior) and the stack is written whole."""
+        if solved.expert is None:
+            writer.save_tensor(solved.name, weight)
+            return
+        index, count = solved.expert
+        stack = solved.name.rsplit("[", 1)[0]
+        with self._lock:
+            parts = self._stacks.setdefault((stack, member), {})
+            parts[index] = weight
+            whole = len(parts) == count
+            if whole:
+                del self._stacks[(stack, member)]
+        if whole:
+            writer.save_tensor(stack, torch.stack([parts[e] for e in range(count)]))
 
     def _noise_model(self, solved: SolvedTensor) -> tuple[torch.Tensor | None, TensorRecord]:
         """``M`` (posterior) or σ (i.i.d.), or None when the draw is the MAP itself."""
@@ -223,14 +239,17 @@ def solvable_tensors(base_dir: Path) -> list[str] | None:
     files = sorted(base_dir.glob("*.safetensors")) if base_dir.is_dir() else []
     if not files:
         return None
+    from mergekit_bmm.stats.expert_hooks import stacked_names
+
     model_type = model_type_of(str(base_dir))
     names = []
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
-                if len(handle.get_slice(name).get_shape()) == 2 and classify(name, model_type):
+                ndim = len(handle.get_slice(name).get_shape())
+                if ndim in (2, 3) and classify(name, model_type, ndim):  # 3: mixture-of-experts stacks
                     names.append(name)
-    return sorted(names)
+    return sorted(set(names) | stacked_names(names, model_type))  # stacks as mergekit presents them
 
 
 def check_filter(request: SamplingRequest, base_dir: Path) -> None:
@@ -328,7 +347,7 @@ def _sample(config, text, source, out: Path, request: SamplingRequest, options, 
         which = f"--filter {request.name_filter!r} matched" if request.name_filter else "the recipe has"
         raise ConfigError(f"{which} no tensor that bmm solved, so there is nothing to sample")
 
-    shared, map_sampled = layout.split_map(map_dir, sampler.records, options.out_shard_size)
+    shared, map_sampled = layout.split_map(map_dir, sampler.written(), options.out_shard_size)
     modes = set()
     for name, directory, sampled in tqdm(
         list(zip(members, member_dirs, sampled_maps)), desc="Assembling samples", disable=options.quiet

@@ -19,7 +19,7 @@ import inspect
 import json
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from mergekit_bmm.errors import ConfigError, StatisticsError
 from mergekit_bmm.io.atomic import atomic_write_json
 from mergekit_bmm.stats import passes as budgeting
 from mergekit_bmm.stats.config import StatsConfig, TaskConfig
+from mergekit_bmm.stats.expert_hooks import stack_accumulators
 from mergekit_bmm.stats.gram_hooks import GramCollector, PassComplete
 from mergekit_bmm.stats.gram_storage import tokens_are_smaller
 from mergekit_bmm.stats.plan import TaskPlan, open_output, plan_tasks, reconcile, task_samples
@@ -167,6 +168,11 @@ def _layer_bytes(run: TaskRun, sharing: dict[str, str]) -> tuple[dict[int, int],
     for layer, d_in in keys.values():
         per_layer[layer] = per_layer.get(layer, 0) + budgeting.accumulator_bytes(d_in, run.tokens)
     rows = frozenset(key for key, (_, d_in) in keys.items() if tokens_are_smaller(run.tokens, d_in))
+    top_k = int(getattr(run.model.config, "num_experts_per_tok", 0) or 0)
+    for stack in probe.stacks.values():
+        size, stack_rows = stack_accumulators(stack, run.tokens, top_k or stack.experts)
+        per_layer[stack.layer] = per_layer.get(stack.layer, 0) + size
+        rows |= stack_rows
     return per_layer, rows
 
 
@@ -187,10 +193,11 @@ class Progress:
     parts: dict[str, str]
     layers: list[int]
     modules: dict[str, str]
+    routed: dict[str, int] = field(default_factory=dict)  # expert slice -> tokens routed to it
 
     @classmethod
     def read(cls, folder: Path, plan: TaskPlan) -> Progress:
-        fresh = cls(plan.fingerprint, plan.settings, {}, [], {})
+        fresh = cls(plan.fingerprint, plan.settings, {}, [], {}, {})
         try:
             saved = json.loads((folder / PROGRESS).read_text(encoding="utf-8"))
             progress = cls(**saved)
@@ -260,6 +267,7 @@ def collect_task(
             done.parts.update(dict.fromkeys(collector.counts, part))
             done.layers.extend(sorted({layer for layer in per_layer if layers.first <= layer <= layers.last}))
             done.modules.update(collector.modules())
+            done.routed.update(collector.routed())
             done.write(folder)
         unseen = sorted(
             set(GramCollector(run.model, run.model_type, accumulate=False).targets) - set(done.modules)
@@ -283,7 +291,17 @@ def collect_task(
             revision=plan.model.revision,
             parts=dict(sorted(done.parts.items())),
             passes=total_passes,
+            routed=dict(sorted(done.routed.items())),
         )
+        silent = [key for key, count in record.routed.items() if count == 0]
+        if silent:
+            LOG.warning(
+                "task %s: %d mixture-of-experts slices received no routed token (e.g. %s); "
+                "a merge keeps the anchor there unless another task's tokens reach them",
+                task.name,
+                len(silent),
+                silent[0],
+            )
         return record, dict(sorted(done.modules.items())), run.model_type
     finally:
         del run

@@ -18,6 +18,10 @@ modules of other layers add nothing, and the first module of a layer past its ra
 the forward early (:class:`PassComplete`), since nothing after it is needed. Keys listed
 in ``keep_rows`` keep their activation rows instead of a ``d_in × d_in`` sum (smaller when
 the calibration data has fewer tokens than the module has inputs).
+
+Mixture-of-experts stacks get one Gram per expert, over the tokens the router sends to it
+(:mod:`mergekit_bmm.stats.expert_hooks`); their keys are ``<stack>[e]`` and :meth:`routed`
+counts every expert's tokens, zero included.
 """
 
 from __future__ import annotations
@@ -31,7 +35,14 @@ from torch import nn
 from mergekit_bmm.core.module_map import classify
 from mergekit_bmm.errors import StatisticsError
 from mergekit_bmm.stats import gram_storage
-from mergekit_bmm.stats.gram_storage import StoredGram
+from mergekit_bmm.stats.expert_hooks import (
+    ExpertStack,
+    expert_stacks,
+    routed_rows,
+    routing_arguments,
+    slice_key,
+)
+from mergekit_bmm.stats.gram_storage import StoredGram, tokens_are_smaller
 
 ROWS_PER_UPDATE = 4096
 
@@ -94,6 +105,7 @@ class GramCollector:
                 "map knows; statistics cannot be collected for it"
             )
         self.layer_of = {name: classify(name, model_type).layer for name in self.targets}
+        self.stacks = expert_stacks(model, model_type)
         self.dtype = dtype
         self.layers = layers
         self.keep_rows = keep_rows
@@ -113,6 +125,10 @@ class GramCollector:
                 continue
             handle = module.register_forward_pre_hook(self._hook(weight_name, d_in), with_kwargs=True)
             self._handles.append(handle)
+        for stack in self.stacks.values():
+            if self.layers is None or self._layer_in_range(stack.layer):
+                handle = stack.module.register_forward_pre_hook(self._stack_hook(stack), with_kwargs=True)
+                self._handles.append(handle)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -132,8 +148,30 @@ class GramCollector:
             self._previous = None
 
     def _in_range(self, weight_name: str) -> bool:
+        return self._layer_in_range(self.layer_of[weight_name])
+
+    def _layer_in_range(self, layer: int) -> bool:
         first, last = self.layers
-        return first <= self.layer_of[weight_name] <= last
+        return first <= layer <= last
+
+    def _stack_hook(self, stack: ExpertStack):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            for key in stack.keys():
+                self.shared.setdefault(key, key)
+            for alias, key in stack.aliases.items():  # the per-expert weights of the checkpoint
+                self.shared.setdefault(alias, key)
+            if not self.accumulate:
+                return
+            if self._mask is None:
+                raise StatisticsError("GramCollector: run forwards inside collector.batch(attention_mask)")
+            hidden, top_k_index = routing_arguments(args, kwargs)
+            routed = routed_rows(hidden.detach(), top_k_index, self._mask, stack.experts)
+            for expert, rows in enumerate(routed):
+                if rows.shape[0]:
+                    self.add_rows(slice_key(stack.first, expert), rows, stack.d_hidden)
+                    self.add_rows(slice_key(stack.down, expert), stack.inner(rows, expert), stack.d_inner)
+
+        return hook
 
     def _hook(self, weight_name: str, d_in: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -175,7 +213,10 @@ class GramCollector:
             raise StatisticsError(
                 f"{weight_name} received inputs of size {inputs.shape[-1]} but its weight has {d_in} inputs"
             )
-        rows = self._token_rows(weight_name, inputs.detach())
+        self.add_rows(weight_name, self._token_rows(weight_name, inputs.detach()), d_in)
+
+    def add_rows(self, weight_name: str, rows: torch.Tensor, d_in: int) -> None:
+        """Add the token rows ``rows`` (n × d_in) that key ``weight_name`` read."""
         if weight_name in self.keep_rows:
             self.rows.setdefault(weight_name, []).append(rows.to(torch.float32, copy=True))
             self.counts[weight_name] = self.counts.get(weight_name, 0) + rows.shape[0]
@@ -198,7 +239,12 @@ class GramCollector:
             if count == 0:
                 raise StatisticsError(f"{key} saw no tokens; the calibration data is empty after padding")
             if key in self.rows:
-                stored = gram_storage.from_rows(torch.cat(self.rows.pop(key)))
+                rows = torch.cat(self.rows.pop(key))
+                if tokens_are_smaller(count, rows.shape[1]):
+                    stored = gram_storage.from_rows(rows)
+                else:  # an expert that received more tokens than rows save room for
+                    rows = rows.to(torch.float64)
+                    stored = gram_storage.from_sum(rows.T @ rows, count)
                 finite = bool(torch.isfinite(stored.tensor).all())
             else:
                 stored = gram_storage.from_sum(self.sums.pop(key), count)
@@ -213,6 +259,11 @@ class GramCollector:
     def modules(self) -> dict[str, str]:
         """Every weight name that saw input → the key of the Gram that serves it."""
         return dict(sorted(self.shared.items()))
+
+    def routed(self) -> dict[str, int]:
+        """Each expert slice this collector saw → the tokens routed to it (zero included)."""
+        keys = {key for stack in self.stacks.values() for key in stack.keys()}
+        return {key: self.counts.get(key, 0) for key in sorted(keys & set(self.shared))}
 
     def unseen(self) -> list[str]:
         """Target modules that no forward reached (they get no Gram)."""

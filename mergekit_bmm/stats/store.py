@@ -17,6 +17,12 @@ weight name to the key it is stored under, and each task's ``parts`` maps a key 
 part file that holds it. ``tokens`` per task lets users rebuild the sum form
 ``X_t X_tᵀ = tokens · G_t``.
 
+An expert ``e`` of a mixture-of-experts stack has its own Gram per task, stored as the mean over
+the ``n_te`` tokens routed to it (``routed`` counts them, zero included). A merge reads it as
+``(n_te / n_t) · mean``, i.e. ``X_te X_teᵀ / n_t``: the task's own loss restricted to the tokens
+that reach the expert, so a task that rarely uses an expert weighs little in its regression,
+and an expert no token reached has a zero Gram.
+
 Both data-assisted ``bmm`` and ``regmean`` read Grams only through
 :func:`activation_grams_for`. It matches each expert to its task by path or Hub id, or
 else by the weights' fingerprint (statistics shared on the Hub serve a local copy of the
@@ -79,6 +85,13 @@ class TaskStats(BaseModel):
     revision: str = ""  # the expert's Hub commit, when it came from the Hub
     parts: dict[str, str] = Field(default_factory=dict)  # version 2: stored key -> part file
     passes: int = Field(default=0, ge=0)
+    # mixture-of-experts slices (``<stack>[e]``) -> the task's tokens the router sent there
+    routed: dict[str, int] = Field(default_factory=dict)
+
+    def share(self, key: str) -> float | None:
+        """The share of the task's tokens routed to expert slice ``key`` (None: not a slice)."""
+        count = self.routed.get(key)
+        return None if count is None else count / max(self.tokens, 1)
 
     @field_validator("file")
     @classmethod
@@ -256,18 +269,36 @@ def activation_grams_for(
     grams = []
     for model in models:
         task = manifest.task_for_model(model, Path(str(stats_dir)))
+        share = task.share(key)
+        if share == 0:  # no token of this task reached the expert
+            size = d_in if d_in is not None else _slice_size(directory, manifest, key)
+            grams.append(torch.zeros(size, size))
+            continue
         gram = read_task_gram(directory, manifest, task, key, stats_dir)
         _check_gram(gram, stats_dir, task.name, weight_name, d_in)
-        grams.append(gram)
+        grams.append(gram if share is None else gram.double() * share)  # scaled without rounding
     return grams
 
 
-def activation_tokens_for(stats_dir: str | Path, models: Sequence[Hashable]) -> list[int]:
-    """How many tokens each model's Grams average (every linear module sees every token), in
-    model order: the evidence for λ counts them as observations."""
+def _slice_size(directory: Path, manifest: StatsManifest, key: str) -> int:
+    """The input size of an expert slice, from a task that has its Gram."""
+    for task in manifest.tasks:
+        if task.routed.get(key):
+            return read_task_gram(directory, manifest, task, key).shape[0]
+    raise StatisticsError(f"statistics in {directory}: no task's tokens reached {key}; pass d_in")
+
+
+def activation_tokens_for(
+    stats_dir: str | Path, models: Sequence[Hashable], weight_name: str | None = None
+) -> list[int]:
+    """How many tokens each model's Grams average (every linear module sees every token; an expert
+    slice of ``weight_name``, the tokens routed to it), in model order: the evidence for λ counts
+    them as observations."""
     directory = stats_directory(str(stats_dir))
     manifest = load_manifest(directory)
-    return [manifest.task_for_model(model, Path(str(stats_dir))).tokens for model in models]
+    key = manifest.stored_key(weight_name) if weight_name is not None else None
+    tasks = [manifest.task_for_model(model, Path(str(stats_dir))) for model in models]
+    return [task.routed.get(key, task.tokens) if key is not None else task.tokens for task in tasks]
 
 
 def read_task_gram(
@@ -284,13 +315,14 @@ def read_task_gram(
 
 
 def read_task_grams(stats_dir: str | Path, task_name: str) -> dict[str, torch.Tensor]:
-    """Every stored Gram of one task, ``{stored key: float32 matrix}`` (for inspection and tests)."""
+    """Every stored Gram of one task, ``{stored key: float32 matrix}`` (for inspection and tests);
+    expert slices as stored (the mean over their routed tokens), those no token reached left out."""
     directory = stats_directory(str(stats_dir))
     manifest = load_manifest(directory)
     task = next((t for t in manifest.tasks if t.name == task_name), None)
     if task is None:
         raise StatisticsError(f"statistics in {stats_dir} have no task {task_name!r}")
-    keys = sorted(set(manifest.modules.values()))
+    keys = sorted(key for key in set(manifest.modules.values()) if task.routed.get(key, 1))
     return {key: read_task_gram(directory, manifest, task, key) for key in keys}
 
 
