@@ -72,6 +72,26 @@ def ridge_solve(gram: torch.Tensor, cross: torch.Tensor, anchor: torch.Tensor, l
     return torch.linalg.solve(system, (cross + ridge * anchor).T).T
 
 
+def logical_rows(name: str, config, rows: int) -> list[torch.Tensor]:
+    """The output rows of each logical weight a fused weight stores (one part when not fused), as
+    each architecture's attention or MLP code cuts its output."""
+    index = torch.arange(rows)
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    if "gate_up_proj" in name:
+        return list(index.chunk(2))
+    if "qkv_proj" in name:
+        kv = config.num_key_value_heads * head_dim
+        return list(index.split([heads * head_dim, kv, kv]))
+    if "c_attn" in name:  # GPT-2: q, k, v side by side; GPT-BigCode (multi-query): one k and v head
+        kv = (rows - hidden) // 2
+        return list(index.split([hidden, kv, kv]))
+    if "query_key_value" in name:  # Falcon's new decoder: per kv group, its q heads, then k, then v
+        groups = index.view(config.num_kv_heads, -1, head_dim)
+        return [groups[:, :-2].reshape(-1), groups[:, -2].reshape(-1), groups[:, -1].reshape(-1)]
+    return [index]
+
+
 def expected_bmm_merge(
     family,
     weights: Sequence[float],
@@ -92,6 +112,9 @@ def expected_bmm_merge(
     experts = list(experts or family.experts)
     base = load_weights(family.base)
     expert_weights = [load_weights(path) for path in experts]
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(family.base)
     expected = {}
     for name, w_pre in base.items():
         w_pre = w_pre.double()
@@ -104,7 +127,13 @@ def expected_bmm_merge(
         flip = (lambda m: m.T) if info.stored_in_out else (lambda m: m)
         vectors = [flip(v) for v in vectors]
         task_grams = [grams[str(path)][name].double() for path in experts] if grams is not None else None
-        gram, cross = normal_equations(vectors, gram_mode, task_grams, epsilon, task_balance)
-        merged = ridge_solve(gram, cross, flip(anchor), _value(lam, name))
+        prior = flip(anchor)
+        merged = torch.empty_like(prior)
+        # gram_sharing: weight: each logical weight of a fused one its own data-free Gram
+        parts = logical_rows(name, config, prior.shape[0]) if gram_mode != "activations" else [slice(None)]
+        for rows in parts:
+            part = [v[rows] for v in vectors]
+            gram, cross = normal_equations(part, gram_mode, task_grams, epsilon, task_balance)
+            merged[rows] = ridge_solve(gram, cross, prior[rows], _value(lam, name))
         expected[name] = w_pre + _value(scale, name) * flip(merged)
     return expected

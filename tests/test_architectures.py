@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from conftest import relative_error
-from references import ridge_solve
+from references import logical_rows, ridge_solve
 
 from mergekit_bmm.examples.architectures import AUTO_CLASS, MIXTURES_OF_EXPERTS, TINY_CONFIGS
 from mergekit_bmm.plugin.run import merge_recipe_text
@@ -55,6 +55,17 @@ def solved_layouts(model: torch.nn.Module) -> dict[str, str]:
     return layouts
 
 
+def solve_rows(vectors: list[torch.Tensor], prior: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Each part of an (out, in) weight as its own regression (its own Gram and λ′)."""
+    solved = torch.empty_like(prior)
+    for rows in parts:
+        matrices = [m[rows] for m in vectors]
+        gram = sum(m.T @ m for m in matrices)
+        cross = sum(m @ m.T @ m for m in matrices)
+        solved[rows] = ridge_solve(gram, cross, prior[rows], LAMBDA)
+    return solved
+
+
 def expected_merge(family, model_type: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     base = load(family.base, model_type)
     layouts = solved_layouts(base)
@@ -74,10 +85,9 @@ def expected_merge(family, model_type: str) -> tuple[dict[str, torch.Tensor], di
         parts = []
         for index in range(len(anchor) if stacked else 1):
             matrices = [flip(v[index] if stacked else v) for v in vectors]
-            gram = sum(m.T @ m for m in matrices)
-            cross = sum(m @ m.T @ m for m in matrices)
             prior = flip(anchor[index] if stacked else anchor)
-            parts.append(flip(ridge_solve(gram, cross, prior, LAMBDA)))
+            rows = logical_rows(name, base.config, prior.shape[0])
+            parts.append(flip(solve_rows(matrices, prior, rows)))
         expected[name] = w_pre + (torch.stack(parts) if stacked else parts[0])
     return expected, layouts
 
@@ -244,7 +254,6 @@ def test_a_search_over_a_moe_scores_resident_trials_as_merged_folders(families, 
         options = SearchOptions(progress=False, device="cpu", plots=False, skip_best=True)
         results[trials] = run_search(parse_search_config(config, tests), tmp_path / trials, options)
     assert results["memory"].summary.trials == "memory"
-    assert results["memory"].summary.memory_plan["solved"] == 2 * (
-        4 + 2 * 4
-    )  # attention + 4 experts × 2 stacks
+    # per layer: q, k, v, o; each of 4 experts' gate and up (own Grams), and its down
+    assert results["memory"].summary.memory_plan["solved"] == 2 * (4 + 4 * 2 + 4)
     assert [r.per_task for r in results["memory"].records] == [r.per_task for r in results["disk"].records]

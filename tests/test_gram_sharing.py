@@ -77,37 +77,55 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def test_split_and_fused_layouts_give_one_merge_when_inputs_share_their_gram(tmp_path):
+@pytest.mark.parametrize("sharing", ["input", "weight"])
+def test_split_and_fused_layouts_give_one_merge_under_either_rule(sharing, tmp_path):
+    """Phi-3's fused qkv_proj / gate_up_proj and its Llama twin (the same weights split) merge to the
+    same weights: pooled over the input (``input``), or each logical weight its own Gram (``weight``)."""
     from mergekit_bmm.examples.architectures import make_architecture_family
 
     phi3 = make_architecture_family(tmp_path / "phi3", "phi3", n_experts=2)
     twin = [_llama_twin(p, tmp_path / "llama" / p.name) for p in (phi3.base, *phi3.experts)]
-    _merge(phi3.base, list(phi3.experts), tmp_path / "fused", "input")
-    split = _merge(twin[0], twin[1:], tmp_path / "split", "input")
-    assert set(_llama_twin(tmp_path / "fused", tmp_path / "fused-as-llama").iterdir())  # the same split
-    as_split = load_weights(tmp_path / "fused-as-llama")
+    _merge(phi3.base, list(phi3.experts), tmp_path / "fused", sharing)
+    split = _merge(twin[0], twin[1:], tmp_path / "split", sharing)
+    as_split = load_weights(_llama_twin(tmp_path / "fused", tmp_path / "fused-as-llama"))
     for name, tensor in split.items():
         assert _relative(tensor, as_split[name]) < 1e-6, name
-    # each weight's own Gram (the default): the split layout solves other problems than the fused one
-    per_weight = _merge(twin[0], twin[1:], tmp_path / "split-weight", "weight")
-    q = "model.layers.0.self_attn.q_proj.weight"
-    assert _relative(per_weight[q], as_split[q]) > 1e-3
-    assert (
-        _relative(
-            per_weight["model.layers.0.self_attn.o_proj.weight"],
-            split["model.layers.0.self_attn.o_proj.weight"],
-        )
-        < 1e-6
-    )
 
 
-def test_a_fused_weight_is_unchanged_by_gram_sharing(tmp_path):
-    """A fused weight already pools its parts; ``input`` changes nothing for it (or for GPT-2's c_attn)."""
+def test_the_two_rules_solve_different_problems_for_inputs_read_by_several_weights(tmp_path):
     from mergekit_bmm.examples.architectures import make_architecture_family
 
-    for model_type in ("phi3", "gpt2"):
-        family = make_architecture_family(tmp_path / model_type, model_type, n_experts=2)
-        shared = _merge(family.base, list(family.experts), tmp_path / f"{model_type}-input", "input")
-        own = _merge(family.base, list(family.experts), tmp_path / f"{model_type}-weight", "weight")
-        for name, tensor in own.items():
-            assert _relative(shared[name], tensor) < 1e-9 or tensor.abs().max() == 0, name
+    family = make_architecture_family(tmp_path / "llama", "llama", n_experts=2)
+    pooled = _merge(family.base, list(family.experts), tmp_path / "input", "input")
+    own = _merge(family.base, list(family.experts), tmp_path / "weight", "weight")
+    q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    assert _relative(own[q], pooled[q]) > 1e-3
+    assert _relative(own[o], pooled[o]) < 1e-9  # o_proj reads its input alone
+
+
+def test_gpt2s_fused_c_attn_is_solved_part_by_part_as_a_float64_reference(tmp_path):
+    """GPT-2 stores c_attn as Conv1D (in, out) with q, k, v side by side: under ``weight`` each part
+    is its own regression (own Gram, own λ′), under ``input`` the three are one."""
+    from references import ridge_solve
+
+    from mergekit_bmm.examples.architectures import make_architecture_family
+
+    family = make_architecture_family(tmp_path / "gpt2", "gpt2", n_experts=2)
+    name = "transformer.h.0.attn.c_attn.weight"
+    base = load_weights(family.base)[name].double().T  # (out, in)
+    vectors = [load_weights(e)[name].double().T - base for e in family.experts]
+    width = base.shape[0] // 3
+
+    def solve(rows: slice) -> torch.Tensor:
+        parts = [v[rows] for v in vectors]
+        grams = [p.T @ p for p in parts]
+        anchor = sum(0.5 * p for p in parts)
+        return base[rows] + ridge_solve(sum(grams), sum(p @ g for p, g in zip(parts, grams)), anchor, 0.1)
+
+    expected = {
+        "weight": torch.cat([solve(slice(k * width, (k + 1) * width)) for k in range(3)]),
+        "input": solve(slice(None)),
+    }
+    for sharing, reference in expected.items():
+        merged = _merge(family.base, list(family.experts), tmp_path / sharing, sharing)[name].double().T
+        assert _relative(merged, reference) < 1e-6, sharing

@@ -58,6 +58,18 @@ def model_config(reference: str | Path) -> Any:
         ) from None
 
 
+def model_config_of(reference: Any) -> Any | None:
+    """The configuration of a model folder, Hub id or mergekit ModelReference; None if unreadable
+    (a LoRA expert's ``BASE+ADAPTER``: the base's)."""
+    path = getattr(getattr(reference, "model", None), "path", reference)
+    if not isinstance(path, (str, Path)):
+        return None
+    try:
+        return model_config(str(path).split("+", 1)[0])
+    except Exception:  # not a folder, or a Hub id not in the cache: the caller treats it as unknown
+        return None
+
+
 def model_type_of(reference: Any) -> str | None:
     """``model_type`` of a model folder or Hub id (or a mergekit ModelReference); None if unknown.
 

@@ -39,24 +39,33 @@ from mergekit_bmm.core import closed_form, normal_equations
 from mergekit_bmm.core.low_rank import LowRankUpdate, low_rank_factors
 from mergekit_bmm.core.module_map import ModuleInfo, classify
 from mergekit_bmm.errors import TensorInputError
-from mergekit_bmm.io.model_folder import model_type_of
+from mergekit_bmm.io.model_folder import model_config_of, model_type_of
 from mergekit_bmm.merge_methods import chosen_lambdas, kept_at_anchor, merge_findings
 from mergekit_bmm.merge_methods import observer as solved_tensors
 from mergekit_bmm.merge_methods.bmm_anchor import (
     AnchorSource,
-    ExpertAnchor,
+    PieceAnchor,
     StackAnchor,
     resolve_anchor_method,
 )
+from mergekit_bmm.merge_methods.bmm_equations import normal_equations_for
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings, build_spec
-from mergekit_bmm.merge_methods.expert_slices import expert_slice, unreached
 from mergekit_bmm.merge_methods.factor_cache import key as cache_key
 from mergekit_bmm.merge_methods.factor_cache.fill import fill_exact_factors, fill_factors, thin_rank
 from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
 from mergekit_bmm.merge_methods.finite import check_finite, checked_base, checked_output
 from mergekit_bmm.merge_methods.lora_route import keeps_base, lora_updates, span_anchor
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
-from mergekit_bmm.merge_methods.shared_inputs import sibling_names, sibling_task_vectors
+from mergekit_bmm.merge_methods.pieces import (
+    Piece,
+    Rows,
+    assemble,
+    fused_parts,
+    piece_group,
+    pieces_of,
+    unreached,
+)
+from mergekit_bmm.merge_methods.shared_inputs import sibling_names
 
 LOG = logging.getLogger("mergekit_bmm")
 
@@ -155,43 +164,60 @@ class BMMMerge(GroupMergeMethod):
             kept_at_anchor.note(name, "no_routed_tokens")  # a checkpoint's per-expert weight
             return self.unsolved(settings, source, cache).to(base.dtype)
         transpose = stored_in_out(settings.weight_layout, info, name, group.base.id)
-        if info.experts:
-            return self._merge_experts(group, source, settings, transpose, cache)
-        equations = self.normal_equations
+        # each expert of a stack, and each logical weight of a fused one (its own data-free Gram, as
+        # if stored split), solved as a weight of its own
+        parts = self.fused_parts(settings, name, base, info.experts, transpose, group.base.id)
+        if info.experts or parts:
+            pieces = pieces_of(tuple(base.shape), parts, info.experts, transpose)
+            return self._merge_pieces(group, source, settings, transpose, cache, pieces)
+        equations = normal_equations_for
         if settings.gram_sharing == "input" and settings.gram != "activations":  # one Gram per input
             siblings = sibling_names(name, info, group.base.id, model_type_of(group.base.id))
-            equations = partial(self.normal_equations, siblings=siblings, transpose=transpose)
+            equations = partial(normal_equations_for, siblings=siblings, transpose=transpose)
         solve = _Solve(name, group, tuple(tasks), source, settings, transpose, equations)
         return solve.direct() if cache is None else solve.cached(cache)
 
-    def _merge_experts(
+    def _merge_pieces(
         self,
         group: TensorGroup,
         source: AnchorSource,
         settings: BMMSettings,
         transpose: bool,
         cache: FactorCache | None,
+        pieces: Sequence[Piece],
     ) -> torch.Tensor:
-        """Each expert of an (E, out, in) stack solved as its own weight; the anchor is computed
-        once for the whole stack (only if a slice needs it) and sliced. Data-assisted modes read
-        each expert's Grams of its routed tokens; an expert no task's token reached keeps the anchor."""
+        """Each piece (an expert of an (E, out, in) stack, a part of a fused weight) solved as its own
+        weight; the anchor is computed once for the whole tensor (only if a piece needs it) and cut.
+        Data-assisted modes read an expert's Grams of its routed tokens; an expert no task's token
+        reached keeps the anchor."""
         whole = StackAnchor(lambda: self.unsolved(settings, source, cache))
         task_ids = {task.id for task in source.tasks}
-        count = group.base.tensor.shape[0]
-        merged = []
-        for index in range(count):
-            part = expert_slice(group, index)
+        solved = []
+        for piece in pieces:
+            part = piece_group(group, piece)
             tasks = tuple(entry for entry in part.entries if entry.id in task_ids)
-            anchor = ExpertAnchor(source, part, tasks, index, whole)
+            anchor = PieceAnchor(source, part, tasks, piece, whole)
             name = part.metadata.name
-            if no_routed_token(settings, name, tasks):
+            if piece.index is not None and no_routed_token(settings, name, tasks):  # an expert
                 kept_at_anchor.note(name, "no_routed_tokens")
-                merged.append(anchor.weight(settings.compute_dtype).to(group.base.tensor.dtype))
+                solved.append((piece, anchor.weight(settings.compute_dtype).to(group.base.tensor.dtype)))
                 continue
-            equations = self.normal_equations
-            solve = _Solve(name, part, tasks, anchor, settings, transpose, equations, (index, count))
-            merged.append(solve.direct() if cache is None else solve.cached(cache))
-        return torch.stack(merged)
+            solve = _Solve(name, part, tasks, anchor, settings, transpose, normal_equations_for, piece)
+            solved.append((piece, solve.direct() if cache is None else solve.cached(cache)))
+        return assemble(solved)
+
+    @staticmethod
+    def fused_parts(
+        settings: BMMSettings, name: str, base: torch.Tensor, experts: bool, transpose: bool, model: Any
+    ) -> list[tuple[str, Rows]] | None:
+        """The logical weights of a fused weight, where the rule gives each its own Gram: data-free
+        Grams per weight (``gram_sharing: weight``). With one input Gram (``activations``, or
+        ``gram_sharing: input``) the joint solve already equals the part-by-part one."""
+        if settings.gram == "activations" or settings.gram_sharing != "weight":
+            return None
+        matrix = base[0] if experts else base
+        rows = matrix.shape[1] if transpose else matrix.shape[0]
+        return fused_parts(name, model_config_of(model), rows)
 
     def unsolved(
         self, settings: BMMSettings, source: AnchorSource, cache: FactorCache | None
@@ -220,43 +246,6 @@ class BMMMerge(GroupMergeMethod):
         cache.store_tensor(name, key, result)
         return result
 
-    def normal_equations(
-        self,
-        settings: BMMSettings,
-        group: TensorGroup,
-        tasks: Sequence[TensorEntry],
-        task_vectors: Sequence[torch.Tensor],
-        siblings: Sequence[str] = (),
-        transpose: bool = False,
-    ) -> normal_equations.NormalEquations:
-        """G and C for the configured Gram mode; with ``siblings`` (``gram_sharing: input``) the
-        data-free Gram pools the weights that read the same input."""
-        data_free = None
-        if settings.gram in ("data_free", "mix") and siblings:
-            others = sibling_task_vectors(group, tasks, siblings, transpose, settings.compute_dtype)
-            data_free = normal_equations.pooled_data_free_equations(
-                task_vectors, others, settings.compute_dtype, settings.task_balance
-            )
-        elif settings.gram in ("data_free", "mix"):
-            data_free = normal_equations.data_free_equations(
-                task_vectors, settings.compute_dtype, settings.task_balance
-            )
-        if settings.gram == "data_free":
-            return data_free
-        from mergekit_bmm.stats.store import activation_grams_for, activation_tokens_for
-
-        d_in = task_vectors[0].shape[1]
-        models = [e.id for e in tasks]
-        grams = activation_grams_for(settings.stats, group.metadata.name, models, d_in=d_in)
-        grams = [g.to(device=task_vectors[0].device) for g in grams]
-        tokens = activation_tokens_for(settings.stats, models, group.metadata.name)
-        few = normal_equations.activation_equations(
-            task_vectors, grams, settings.compute_dtype, settings.task_balance, tokens
-        )
-        if settings.gram == "activations":
-            return few
-        return normal_equations.mix_equations(few, data_free, settings.epsilon)
-
 
 @dataclass(frozen=True)
 class _Solve:
@@ -274,7 +263,7 @@ class _Solve:
     settings: BMMSettings
     transpose: bool
     equations_for: Callable[..., normal_equations.NormalEquations]
-    expert: tuple[int, int] | None = None  # (index, count) of a mixture-of-experts slice
+    piece: Piece | None = None  # an expert of a stack, or a part of a fused weight
 
     def orient(self, matrix: torch.Tensor) -> torch.Tensor:
         return matrix.T if self.transpose else matrix
@@ -391,7 +380,9 @@ class _Solve:
         if solved_tensors.wants_factors():  # the search's resident trials are listening
             reload = lambda: cache.load_factors(self.name, key, shape, dtype)  # noqa: E731
             solved_tensors.report_factors(
-                FactoredTensor(self.name, factors, self.base, self.transpose, settings.lambda_mode, reload)
+                FactoredTensor(
+                    self.name, factors, self.base, self.transpose, settings.lambda_mode, reload, self.piece
+                )
             )
         ridge = self._chosen_ridge(factors)
         if not solved_tensors.active():
@@ -424,7 +415,7 @@ class _Solve:
                     self.base.dtype,
                     compute_dtype,
                     eigen=eigen,
-                    expert=self.expert,
+                    piece=self.piece,
                 )  # fmt: skip
             )
         return (base_c + self.settings.scale * self.orient(merged)).to(self.base.dtype)

@@ -32,6 +32,7 @@ from mergekit.merge_methods.base import (
 
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.merge_methods.bmm_parameters import DEFAULT_ANCHOR, PRETRAINED_ANCHOR, anchor_value
+from mergekit_bmm.merge_methods.pieces import Piece
 
 
 def _model_label(entry_id: Any) -> str:
@@ -226,7 +227,7 @@ def _seed_generators(seed: int, device: torch.device) -> None:
 
 
 class StackAnchor:
-    """A value computed on first use and kept: a stack's anchor, shared by its experts."""
+    """A value computed on first use and kept: a tensor's anchor, shared by its pieces."""
 
     def __init__(self, compute: Callable[[], torch.Tensor]) -> None:
         self._compute = compute
@@ -239,18 +240,19 @@ class StackAnchor:
 
 
 @dataclass(frozen=True)
-class ExpertAnchor:
-    """The anchor of one expert of a mixture-of-experts stack: a slice of the stack's anchor.
+class PieceAnchor:
+    """The anchor of one piece of a tensor (an expert of a stack, a part of a fused weight): the
+    piece of the whole tensor's anchor (:mod:`~mergekit_bmm.merge_methods.pieces`).
 
-    Has :class:`AnchorSource`'s interface over the expert's own inputs (``group``, ``tasks``,
-    ``anchor_entry``), so the solve and the factor cache treat the expert as any weight; its
-    cache key adds the expert's index to the stack's anchor.
+    Has :class:`AnchorSource`'s interface over the piece's own inputs (``group``, ``tasks``,
+    ``anchor_entry``), so the solve and the factor cache treat it as any weight; its cache key adds
+    the expert's index (or the part's label) to the whole tensor's anchor.
     """
 
     stack: AnchorSource
     group: TensorGroup
     tasks: tuple[TensorEntry, ...]
-    index: int
+    piece: Piece
     whole: StackAnchor
 
     @property
@@ -268,7 +270,9 @@ class ExpertAnchor:
         return self.stack.seed
 
     def dependencies(self) -> dict[str, Any]:
-        return {**self.stack.dependencies(), "expert": self.index}
+        piece = self.piece
+        where = {"expert": piece.index, "part": piece.part}
+        return {**self.stack.dependencies(), **{k: v for k, v in where.items() if v is not None}}
 
     def weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.whole()[self.index].to(dtype)
+        return self.piece.take(self.whole()).to(dtype)

@@ -19,7 +19,7 @@ from mergekit_bmm.core.low_rank import LowRankUpdate, SpanAnchor
 from mergekit_bmm.errors import TensorInputError
 from mergekit_bmm.io.lora_adapters import Adapter, adapter_for
 from mergekit_bmm.io.model_folder import local_model_dir, weight_names_of
-from mergekit_bmm.merge_methods.bmm_anchor import AnchorSource, ExpertAnchor
+from mergekit_bmm.merge_methods.bmm_anchor import AnchorSource, PieceAnchor
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
 
 
@@ -93,7 +93,7 @@ def keeps_base(source: AnchorSource) -> bool:
     return source.span_coefficients() is not None
 
 
-def span_anchor(source: AnchorSource | ExpertAnchor, shape: tuple[int, int]) -> SpanAnchor | None:
+def span_anchor(source: AnchorSource | PieceAnchor, shape: tuple[int, int]) -> SpanAnchor | None:
     """The anchor as a sum of the adapters' updates (Task Arithmetic of them, the base), formed
     from their factors; None when it is anything else (computed from the dense copies as before)."""
     coefficients = source.span_coefficients() if isinstance(source, AnchorSource) else None

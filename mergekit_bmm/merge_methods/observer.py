@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mergekit_bmm.core.closed_form import EigenFactors
+from mergekit_bmm.merge_methods.pieces import Piece
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class SolvedTensor:
     storage_dtype: torch.dtype
     compute_dtype: torch.dtype
     eigen: tuple[torch.Tensor, torch.Tensor] | None = None
-    expert: tuple[int, int] | None = None  # (index, count): one expert of a stack named ``stack[index]``
+    piece: Piece | None = None  # a piece of the stored tensor (named ``tensor[label]``): merge_methods.pieces
 
     def weight(self, task_vector: torch.Tensor) -> torch.Tensor:
         """``W_pre + s·U`` in storage layout and dtype: the kernel's own output formula."""
@@ -58,6 +59,7 @@ class FactoredTensor:
     transposed: bool
     lambda_mode: str
     reload: Callable[[], EigenFactors | None]
+    piece: Piece | None = None
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from mergekit.merge_methods.base import ParameterScope
 from mergekit_bmm.core.merge_tools import mean_task_vector
 from mergekit_bmm.core.regmean import DEFAULT_OFF_DIAGONAL_SCALE, regmean_merge
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.merge_methods.expert_slices import unreached
 from mergekit_bmm.merge_methods.parameter_ranges import CheckedParameter
+from mergekit_bmm.merge_methods.pieces import unreached
 from mergekit_bmm.merge_methods.task_vector_method import TaskVectorMethod
 
 LOG = logging.getLogger("mergekit_bmm")

@@ -38,9 +38,9 @@ from mergekit_bmm.core.merge_tools import compute_dtype, mean_task_vector
 from mergekit_bmm.core.module_map import ModuleInfo, classify
 from mergekit_bmm.errors import TensorInputError
 from mergekit_bmm.io.model_folder import model_type_of
-from mergekit_bmm.merge_methods.expert_slices import expert_slice
 from mergekit_bmm.merge_methods.finite import check_finite, checked_output
 from mergekit_bmm.merge_methods.parameter_ranges import CheckedParameter
+from mergekit_bmm.merge_methods.pieces import expert_slice
 
 
 def alpha_parameter(method: str) -> ParameterSpec:

@@ -33,6 +33,7 @@ from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.io.model_folder import local_model_dir
 from mergekit_bmm.merge_methods.finite import checked_output
 from mergekit_bmm.merge_methods.observer import SolvedTensor, listening
+from mergekit_bmm.merge_methods.pieces import Piece, assemble
 from mergekit_bmm.sampling import layout
 from mergekit_bmm.sampling.posterior import RowPosterior, check_beta, check_sigma, standard_normal
 
@@ -133,7 +134,7 @@ class Sampler:
         self.out_dtype = out_dtype  # mergekit casts what it saves to the recipe's `out_dtype`
         self.writers = [layout.sample_writer(path, max_shard_bytes) for path in member_dirs]
         self.records: dict[str, TensorRecord] = {}
-        self._stacks: dict[tuple[str, int], dict[int, torch.Tensor]] = {}  # (stack, member) -> experts
+        self._stacks: dict[tuple[str, int], dict[str, tuple[Piece, torch.Tensor]]] = {}  # (tensor, member)
         self._lock = threading.Lock()
 
     def __call__(self, solved: SolvedTensor) -> None:
@@ -164,21 +165,21 @@ class Sampler:
         return {name.rsplit("[", 1)[0] if name.endswith("]") else name for name in self.records}
 
     def _save(self, writer: Any, member: int, solved: SolvedTensor, weight: torch.Tensor) -> None:
-        """Write a member's tensor; an expert of a mixture-of-experts stack waits for its siblings
-        (each drawn from its own posterior) and the stack is written whole."""
-        if solved.expert is None:
+        """Write a member's tensor; a piece (an expert of a stack, a part of a fused weight) waits for
+        its siblings, each drawn from its own posterior, and the tensor is written whole."""
+        piece = solved.piece
+        if piece is None:
             writer.save_tensor(solved.name, weight)
             return
-        index, count = solved.expert
-        stack = solved.name.rsplit("[", 1)[0]
+        tensor = solved.name.rsplit("[", 1)[0]
         with self._lock:
-            parts = self._stacks.setdefault((stack, member), {})
-            parts[index] = weight
-            whole = len(parts) == count
+            parts = self._stacks.setdefault((tensor, member), {})
+            parts[piece.label] = (piece, weight)
+            whole = len(parts) == piece.count
             if whole:
-                del self._stacks[(stack, member)]
+                del self._stacks[(tensor, member)]
         if whole:
-            writer.save_tensor(stack, torch.stack([parts[e] for e in range(count)]))
+            writer.save_tensor(tensor, assemble(list(parts.values())))
 
     def _noise_model(self, solved: SolvedTensor) -> tuple[torch.Tensor | None, TensorRecord]:
         """``M`` (posterior) or σ (i.i.d.), or None when the draw is the MAP itself."""

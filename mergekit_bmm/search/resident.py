@@ -197,20 +197,22 @@ class ResidentModel:
             dtype = dtype_from_name(out_dtype) if out_dtype else value.dtype
             with torch.no_grad():
                 target.copy_(value.to(dtype))
-            # a mixture-of-experts stack was solved expert by expert: its slices were reported
-            parts = (
-                [(name, target)]
-                if value.ndim < 3
-                else [(f"{name}[{i}]", target[i]) for i in range(len(value))]
-            )
+            # a stack solved expert by expert, a fused weight part by part: its pieces were reported
+            prefix = f"{name}["
+            parts = [name] + [part for part in reported if part.startswith(prefix)]
             info = classify(name, model_type, value.ndim)
-            for part, part_target in parts:
+            for part in parts:
                 if part not in reported:
                     continue
                 report, factors, size = reported.pop(part)
+                piece = report.piece
+                if piece is not None and not piece.is_view:
+                    raise ResidentUnsupported(
+                        f"{name} interleaves its parts, which cannot be re-merged in place"
+                    )
                 self.solved[part] = SolvedParameter(
                     name=part,
-                    target=part_target,
+                    target=target if piece is None else piece.take(target),
                     base=report.base.to(self.device),
                     factors=factors,
                     factor_bytes=size,
