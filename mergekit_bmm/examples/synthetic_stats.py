@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from mergekit_bmm import __version__
-from mergekit_bmm.io.fingerprint import model_fingerprint
+from mergekit_bmm.io.fingerprint import model_fingerprint, reference_fingerprint
 from mergekit_bmm.stats.gram_storage import from_mean
 from mergekit_bmm.stats.store import StatsManifest, TaskStats, write_manifest, write_part
 
@@ -39,7 +39,7 @@ def write_stats(
             TaskStats(
                 name=folder,
                 model=str(expert),
-                fingerprint=model_fingerprint(expert),
+                fingerprint=_fingerprint(expert),
                 file=folder,
                 samples=8,
                 tokens=64,
@@ -50,6 +50,13 @@ def write_stats(
     manifest = StatsManifest(package_version=__version__, tasks=tasks, modules={name: name for name in grams})
     write_manifest(stats_dir, manifest)
     return stats_dir
+
+
+def _fingerprint(expert: str | Path) -> str:
+    """A checkpoint's fingerprint; a LoRA expert's (``BASE+ADAPTER``) covers both."""
+    if "+" in str(expert):
+        return reference_fingerprint(str(expert))
+    return model_fingerprint(expert)
 
 
 def input_size(name: str, tensor: torch.Tensor, stored_in_out: bool) -> int:

@@ -37,6 +37,7 @@ from mergekit.merge_methods.base import (
 
 from mergekit_bmm.core import closed_form, normal_equations
 from mergekit_bmm.core.low_rank import LowRankUpdate, low_rank_factors
+from mergekit_bmm.core.low_rank_data import FactoredEquations
 from mergekit_bmm.core.module_map import ModuleInfo, classify
 from mergekit_bmm.errors import TensorInputError
 from mergekit_bmm.io.model_folder import model_config_of, model_type_of
@@ -47,6 +48,7 @@ from mergekit_bmm.merge_methods.bmm_anchor import (
     PieceAnchor,
     StackAnchor,
     resolve_anchor_method,
+    split_entries,
 )
 from mergekit_bmm.merge_methods.bmm_equations import normal_equations_for
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings, build_spec
@@ -54,7 +56,8 @@ from mergekit_bmm.merge_methods.factor_cache import key as cache_key
 from mergekit_bmm.merge_methods.factor_cache.fill import fill_exact_factors, fill_factors, thin_rank
 from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
 from mergekit_bmm.merge_methods.finite import check_finite, checked_base, checked_output
-from mergekit_bmm.merge_methods.lora_route import keeps_base, lora_updates, span_anchor
+from mergekit_bmm.merge_methods.lora_data_route import factored_equations, solve_factored
+from mergekit_bmm.merge_methods.lora_route import keeps_base, lora_data_updates, lora_updates, span_anchor
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
 from mergekit_bmm.merge_methods.pieces import (
     Piece,
@@ -71,20 +74,6 @@ LOG = logging.getLogger("mergekit_bmm")
 
 PRETTY_NAME = "Bayesian Model Merging (BMM)"
 REFERENCE_URL = "https://arxiv.org/abs/2605.12843"
-
-
-def split_entries(group: TensorGroup, flags: Any) -> tuple[list[TensorEntry], TensorEntry | None]:
-    """Experts, and the input marked ``anchor: true`` (at most one)."""
-    tasks, anchors = [], []
-    for entry in group.non_base:
-        (anchors if flags and flags.get(entry.id) else tasks).append(entry)
-    if len(anchors) > 1:
-        raise TensorInputError(
-            "bmm: more than one input is marked `anchor: true` ("
-            + ", ".join(str(e.id) for e in anchors)
-            + "); mark exactly one"
-        )
-    return tasks, (anchors[0] if anchors else None)
 
 
 def stored_in_out(weight_layout: str, info: ModuleInfo, name: str, model: Any) -> bool:
@@ -277,13 +266,40 @@ class _Solve:
         check_finite(self.group)
         dtype = self.settings.compute_dtype
         base_c = self.base.to(dtype)
-        task_vectors = [self.orient(entry.tensor.to(dtype) - base_c) for entry in self.tasks]
         prior = self.orient(self.source.weight(dtype) - base_c)
+        data_route = self.low_rank_data()  # LoRA experts, data-assisted: C from the factors
+        if data_route is not None and data_route[1] is not None:
+            merge_findings.note_low_rank(self.name, sum(update.rank for update in data_route[0]))
+            return data_route[1].dense(), prior, base_c
+        task_vectors = [self.orient(entry.tensor.to(dtype) - base_c) for entry in self.tasks]
         return self.equations_for(self.settings, self.group, self.tasks, task_vectors), prior, base_c
 
     def low_rank_updates(self) -> list[LowRankUpdate] | None:
         """The experts' LoRA factors for this weight, or None for the full route (:mod:`.lora_route`)."""
-        return lora_updates(self.settings, self.group, self.tasks, self.name, self.transpose)
+        return lora_updates(self.settings, self.group, self.tasks, self.name, self.transpose, self.piece)
+
+    def low_rank_data(self) -> tuple[list[LowRankUpdate], FactoredEquations | None] | None:
+        """The data-assisted route over LoRA experts (:mod:`.lora_data_route`): the factors and the
+        factored equations (None when no adapter touches the weight), or None for the full route."""
+        args = (self.settings, self.group, self.tasks, self.name, self.transpose, self.piece)
+        updates = lora_data_updates(*args)
+        if not updates:
+            return None if updates is None else ([], None)
+        d_in = self.orient(self.base).shape[1]
+        return updates, factored_equations(
+            self.settings, self.name, self.tasks, updates, d_in, self.base.device
+        )
+
+    def _direct_low_rank_data(
+        self, updates: list[LowRankUpdate], equations: FactoredEquations
+    ) -> torch.Tensor:
+        dtype = self.settings.compute_dtype
+        base_c = self.base.to(dtype)
+        span = span_anchor(self.source, tuple(self.orient(self.base).shape))
+        prior = lambda: self.orient(self.source.weight(dtype) - base_c)  # noqa: E731
+        merge_findings.note_low_rank(self.name, sum(update.rank for update in updates))
+        merged, ridge = solve_factored(equations, updates, span, prior, self.settings)
+        return self._output(merged.to(dtype), base_c, lambda: ridge, dtype, gram=equations.gram)
 
     def _low_rank_factors(self, updates: list[LowRankUpdate]) -> closed_form.EigenFactors:
         """The exact (float64) eigen factors from the adapters' factors; the prior from the anchor.
@@ -321,6 +337,10 @@ class _Solve:
             eigen = solved.complete_eigen(merged.dtype)
             base_c = self.base.to(settings.compute_dtype)
             return self._output(merged, base_c, lambda: ridge, settings.compute_dtype, eigen=eigen)
+        data_route = self.low_rank_data()
+        if data_route is not None:
+            updates, factored = data_route
+            return self.untouched() if factored is None else self._direct_low_rank_data(updates, factored)
         equations, prior, base_c = self._problem()
         if settings.lambda_auto:
             return self._direct_auto(equations, prior, base_c)

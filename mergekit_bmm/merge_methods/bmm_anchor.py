@@ -30,7 +30,7 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
-from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.errors import ConfigError, TensorInputError
 from mergekit_bmm.merge_methods.bmm_parameters import DEFAULT_ANCHOR, PRETRAINED_ANCHOR, anchor_value
 from mergekit_bmm.merge_methods.pieces import Piece
 
@@ -224,6 +224,20 @@ def _seed_generators(seed: int, device: torch.device) -> None:
     if device.type == "cuda":
         with torch.cuda.device(device):
             torch.cuda.manual_seed(seed)
+
+
+def split_entries(group: TensorGroup, flags: Any) -> tuple[list[TensorEntry], TensorEntry | None]:
+    """Experts, and the input marked ``anchor: true`` (at most one)."""
+    tasks, anchors = [], []
+    for entry in group.non_base:
+        (anchors if flags and flags.get(entry.id) else tasks).append(entry)
+    if len(anchors) > 1:
+        raise TensorInputError(
+            "bmm: more than one input is marked `anchor: true` ("
+            + ", ".join(str(e.id) for e in anchors)
+            + "); mark exactly one"
+        )
+    return tasks, (anchors[0] if anchors else None)
 
 
 class StackAnchor:

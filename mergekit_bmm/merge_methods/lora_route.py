@@ -21,26 +21,72 @@ from mergekit_bmm.io.lora_adapters import Adapter, adapter_for
 from mergekit_bmm.io.model_folder import local_model_dir, weight_names_of
 from mergekit_bmm.merge_methods.bmm_anchor import AnchorSource, PieceAnchor
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
+from mergekit_bmm.merge_methods.pieces import Piece
 
 
 def lora_updates(
-    settings: BMMSettings, group: TensorGroup, tasks: Sequence[TensorEntry], name: str, transpose: bool
+    settings: BMMSettings,
+    group: TensorGroup,
+    tasks: Sequence[TensorEntry],
+    name: str,
+    transpose: bool,
+    piece: Piece | None = None,
 ) -> list[LowRankUpdate] | None:
     """The experts' ``(s·B, A)`` for weight ``name`` ([] when no adapter touches it), or None when
-    the low-rank route does not apply. The factors are checked for NaN/Inf here: the route reads
-    them, not the dense copies mergekit made from them."""
-    if not settings.low_rank or settings.gram != "data_free" or settings.task_balance != "none":
+    the data-free low-rank route does not apply."""
+    if settings.gram != "data_free" or settings.gram_sharing != "weight":  # pooled Grams: full route
         return None
-    if settings.gram_sharing != "weight":  # a Gram pooled over other weights: the full route
+    return _route_updates(settings, group, tasks, name, transpose, piece)
+
+
+def lora_data_updates(
+    settings: BMMSettings,
+    group: TensorGroup,
+    tasks: Sequence[TensorEntry],
+    name: str,
+    transpose: bool,
+    piece: Piece | None = None,
+) -> list[LowRankUpdate] | None:
+    """The same factors for the data-assisted route (``gram: activations | mix``,
+    :mod:`mergekit_bmm.core.low_rank_data`), or None when it does not apply: ``lambda: auto`` (the
+    evidence reads dense equations), a mix whose data-free part pools other weights."""
+    if settings.gram not in ("activations", "mix") or settings.lambda_auto:
         return None
-    if transpose or "[" in name:  # Conv1D layouts and expert stacks: full route
+    if settings.gram == "mix" and settings.gram_sharing != "weight":
+        return None
+    return _route_updates(settings, group, tasks, name, transpose, piece)
+
+
+def _route_updates(
+    settings: BMMSettings,
+    group: TensorGroup,
+    tasks: Sequence[TensorEntry],
+    name: str,
+    transpose: bool,
+    piece: Piece | None = None,
+) -> list[LowRankUpdate] | None:
+    """The factors of every expert's adapter for ``name`` when the experts are plain adapters and the
+    weight an ``nn.Linear`` one; checked for NaN/Inf here, since the route reads them and not the
+    dense copies mergekit made from them."""
+    if not settings.low_rank or settings.task_balance != "none":
+        return None
+    if transpose:  # Conv1D layouts: full route
+        return None
+    whole = name
+    if piece is not None:  # a fused weight's part: its rows of B (expert stacks: full route)
+        if piece.index is not None or not isinstance(piece.rows, slice):
+            return None
+        whole = name.rsplit("[", 1)[0]
+    elif "[" in name:
         return None
     adapters = plain_adapters(group, tasks)
     if adapters is None:
         return None
     updates = []
     for index, (entry, adapter) in enumerate(zip(tasks, adapters)):
-        factors = adapter.update(name)
+        factors = adapter.update(whole)
+        if factors is not None and piece is not None:
+            factors = (factors[0][piece.rows], factors[1])
         if factors is not None:
             if not all(bool(torch.isfinite(f).all()) for f in factors):
                 raise TensorInputError(

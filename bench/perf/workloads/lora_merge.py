@@ -20,6 +20,11 @@ A Llama-shaped base (``hidden``; ``intermediate``, default 2.75 × hidden; ``lay
     python -m bench.perf lora_merge                                   # hidden 1024, 4 layers, 3 × rank 16
     python -m bench.perf lora_merge --set hidden=2048 --set intermediate=8192 --set layers=16 \
         --set full_route=false --rounds 3
+    python -m bench.perf lora_merge --set gram=activations        # data-assisted (made-up Grams)
+
+With ``gram=activations`` (or ``mix``) the route forms ``C = B·Z`` from the adapters' factors and
+made-up activation Grams (rank 256, every weight) and solves ``k`` rows over Task Arithmetic; the
+full route forms ``C`` from the dense copies.
 """
 
 from __future__ import annotations
@@ -80,6 +85,24 @@ def make_family(
         make_lora_adapter(base, adapter, seed=index, rank=rank, targets=targets, spread=0.02)
     marker.write_text(json.dumps(spec))
     return base, adapters
+
+
+def lora_stats(root: Path, base: Path, adapters: list[Path], seed: int = 0) -> Path:
+    """Made-up activation Grams (rank 256) for every body weight, for each ``BASE+ADAPTER`` expert."""
+    from mergekit_bmm.core.module_map import classify
+    from mergekit_bmm.examples.synthetic_stats import random_gram, write_stats
+    from mergekit_bmm.io.checkpoint import load_state_dict
+
+    folder = root / f"stats-{base.parent.name}"
+    if (folder / "manifest.json").is_file():
+        return folder
+    generator = torch.Generator().manual_seed(seed)
+    grams = {
+        name: [random_gram(tensor.shape[1], generator, tokens=256) for _ in adapters]
+        for name, tensor in load_state_dict(base).items()
+        if tensor.ndim == 2 and classify(name, "llama") is not None
+    }
+    return write_stats(folder, [f"{base}+{a}" for a in adapters], grams)
 
 
 def recipe(base: Path, adapters: list[Path], method: str, **parameters) -> str:
@@ -200,10 +223,14 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group | Callable[[], G
     Task Arithmetic of their own rounds; a resident trial last."""
     os.environ["MERGEKIT_BMM_CACHE"] = str(root / "plugin-cache")
     base, adapters = _family(parameters, root)
-    ta, route = recipe(base, adapters, "task_arithmetic"), recipe(base, adapters, "bmm")
+    data = {}
+    if parameters["gram"] != "data_free":  # data-assisted: C = B·Z from the factors and the Grams
+        data = {"gram": parameters["gram"], "stats": str(lora_stats(root / "models", base, adapters))}
+    ta, route = recipe(base, adapters, "task_arithmetic"), recipe(base, adapters, "bmm", **data)
     heavy = [Job(REFERENCE_AGAIN, merge_job(ta))]
     if parameters["full_route"]:
-        heavy.append(Job(FULL_ROW, merge_job(recipe(base, adapters, "bmm", low_rank=False)), REFERENCE_AGAIN))
+        full = recipe(base, adapters, "bmm", low_rank=False, **data)
+        heavy.append(Job(FULL_ROW, merge_job(full), REFERENCE_AGAIN))
     heavy.append(Job(ADAPTER_ROW, adapter_job(route, root / "work"), REFERENCE_AGAIN))
     return [
         Group([Job(ONCE_ROW, merge_job(ta))], rounds=1, warmup=0),
@@ -214,7 +241,9 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group | Callable[[], G
 
 
 def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each route's relative error against a float64 full solve (the last rounds' outputs)."""
+    """Each route's relative error against a float64 full solve (the last rounds' outputs; data-free)."""
+    if parameters["gram"] != "data_free":
+        return {}
     _, targets = _shape(parameters)
     base, adapters = _family(parameters, root)
     module = "down_proj" if "down_proj" in targets else targets[-1]
@@ -231,11 +260,19 @@ def notes(parameters: dict[str, Any]) -> str:
     where = "every linear module" if targets == LINEAR else ", ".join(targets)
     return (
         f"hidden {parameters['hidden']}, MLP {intermediate}, {parameters['layers']} layers, "
-        f"{parameters['experts']} adapters of rank {parameters['rank']} on {where}, float32"
+        f"{parameters['experts']} adapters of rank {parameters['rank']} on {where}, float32, "
+        f"gram {parameters['gram']}"
     )
 
 
-SHAPE = {"intermediate": None, "experts": 3, "rank": 16, "targets": "all", "full_route": True}
+SHAPE = {
+    "intermediate": None,
+    "experts": 3,
+    "rank": 16,
+    "targets": "all",
+    "full_route": True,
+    "gram": "data_free",
+}
 WORKLOAD = Workload(
     name="lora_merge",
     summary="LoRA experts: bmm's low-rank and full routes and mergekit-bmm-lora against Task Arithmetic",

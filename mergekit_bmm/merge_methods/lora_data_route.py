@@ -1,0 +1,63 @@
+"""``gram: activations | mix`` over LoRA experts from their factors (:mod:`mergekit_bmm.core.low_rank_data`).
+
+The cross term is formed as ``B Z`` from each adapter's ``(s·B, A)`` and the statistics' Grams, never
+from the dense copies mergekit made of the adapters. With an anchor that sums the adapters' updates
+(Task Arithmetic of them, the base) the solve has ``k = Σ r_t`` rows; with any other anchor the
+``d_out`` rows of the dense closed form, from the same factored ``C``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from mergekit.merge_methods.base import TensorEntry
+
+from mergekit_bmm.core import closed_form
+from mergekit_bmm.core.low_rank import LowRankUpdate, SpanAnchor
+from mergekit_bmm.core.low_rank_data import (
+    FactoredEquations,
+    activation_factored,
+    data_free_factored,
+    mix_factored,
+)
+from mergekit_bmm.core.normal_equations import NormalEquations
+from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
+from mergekit_bmm.merge_methods.pieces import statistics_name
+
+
+def factored_equations(
+    settings: BMMSettings,
+    name: str,
+    tasks: Sequence[TensorEntry],
+    updates: Sequence[LowRankUpdate],
+    d_in: int,
+    device: torch.device,
+) -> FactoredEquations:
+    """``G`` and ``C = B Z`` for the recipe's data-assisted Gram mode, from the adapters' factors."""
+    from mergekit_bmm.stats.store import activation_grams_for
+
+    dtype = settings.compute_dtype
+    models = [entry.id for entry in tasks]
+    grams = activation_grams_for(settings.stats, statistics_name(name), models, d_in=d_in)
+    updates = [LowRankUpdate(u.left.to(device), u.right.to(device), u.expert) for u in updates]
+    few = activation_factored(updates, [g.to(device) for g in grams], dtype)
+    if settings.gram == "activations":
+        return few
+    return mix_factored(few, data_free_factored(updates, dtype), settings.epsilon)
+
+
+def solve_factored(
+    equations: FactoredEquations,
+    updates: Sequence[LowRankUpdate],
+    span: SpanAnchor | None,
+    dense_prior: Callable[[], torch.Tensor],
+    settings: BMMSettings,
+) -> tuple[torch.Tensor, float]:
+    """The merged update ``U`` (``d_out × d_in``) and the ridge λ' it was solved with."""
+    rows = NormalEquations(equations.gram, equations.right)  # the same G: the same λ'
+    ridge = closed_form.effective_ridge(settings.lam, rows, settings.lambda_mode)
+    if span is not None:  # U = B · [(Z + λ' c⊙A)(G + λ'I)⁻¹]: k rows
+        solved = closed_form.solve(rows, equations.in_span(updates, span.coefficients), ridge)
+        return equations.left @ solved, ridge
+    return closed_form.solve(equations.dense(), dense_prior(), ridge), ridge

@@ -1,0 +1,114 @@
+"""Data-assisted BMM over LoRA experts from the adapters' factors: ``C = B Z`` and, over an anchor that
+sums the adapters (Task Arithmetic of them), a ``k``-row solve. Each merged weight equals the float64
+closed form of the adapters' exact updates and their statistics' Grams; the full route on the dense
+copies, the factor cache and a non-span anchor agree with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from conftest import load_weights, relative_error
+from stats_helpers import stored_grams, write_calibration
+from test_lora_route import TARGETS, _exact_updates
+
+from mergekit_bmm.cards.merge_record import read_record
+from mergekit_bmm.core import closed_form, normal_equations
+from mergekit_bmm.plugin.run import merge_recipe_text
+
+pytestmark = pytest.mark.slow
+F64 = torch.float64
+
+
+@pytest.fixture(scope="module")
+def lora_stats(tmp_path_factory):
+    """A tiny Llama, three adapters on it, and statistics of each ``BASE+ADAPTER`` expert on its text."""
+    from mergekit_bmm.examples.tiny_models import make_lora_adapter, make_tiny_family
+    from mergekit_bmm.stats.collect import collect_statistics
+    from mergekit_bmm.stats.config import parse_stats_config
+
+    root = tmp_path_factory.mktemp("lora-data")
+    family = make_tiny_family(root, "llama", n_experts=1, hidden=32, layers=2)
+    adapters = [make_lora_adapter(family.base, root / f"adapter-{i}", seed=i, rank=2 + i) for i in range(3)]
+    tasks = [
+        {
+            "name": f"task-{i}",
+            "model": f"{family.base}+{adapter}",
+            "data": str(write_calibration(root / f"data-{i}.jsonl", offset=5 * i)),
+        }
+        for i, adapter in enumerate(adapters)
+    ]
+    config = parse_stats_config({"tasks": tasks, "max_samples": 24, "max_length": 64})
+    collect_statistics(config, root / "stats", progress=False)
+    return family.base, adapters, root / "stats"
+
+
+@pytest.fixture(autouse=True)
+def plugin_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MERGEKIT_BMM_CACHE", str(tmp_path / "plugin-cache"))
+
+
+def _recipe(base, adapters, stats, **parameters) -> str:
+    return yaml.safe_dump(
+        {
+            "merge_method": "bmm",
+            "base_model": str(base),
+            "models": [{"model": f"{base}+{a}", "parameters": {"weight": 0.3}} for a in adapters],
+            "parameters": {
+                "anchor_method": "task_arithmetic",
+                "lambda": 0.05,
+                "stats": str(stats),
+                **parameters,
+            },
+            "dtype": "float32",
+        }
+    )
+
+
+def _expected(base, adapters, stats, name: str, gram: str) -> torch.Tensor:
+    vectors = _exact_updates(adapters, name.removesuffix(".weight"))
+    grams = stored_grams(stats)
+    task_grams = [grams[f"{base}+{adapter}"][name].double() for adapter in adapters]
+    few = normal_equations.activation_equations(vectors, task_grams, F64)
+    if gram == "mix":
+        few = normal_equations.mix_equations(few, normal_equations.data_free_equations(vectors, F64), 0.5)
+    return closed_form.merge_matrix(few, 0.3 * sum(vectors), 0.05)
+
+
+@pytest.mark.parametrize("gram", ["activations", "mix"])
+def test_each_weight_is_the_float64_closed_form_of_the_adapters_and_their_grams(lora_stats, tmp_path, gram):
+    base, adapters, stats = lora_stats
+    out = tmp_path / "merged"
+    merge_recipe_text(_recipe(base, adapters, stats, gram=gram, epsilon=0.5, compute_dtype="float64"), out)
+    merged, pre = load_weights(out), load_weights(base)
+    solved = [n for n in pre if n.endswith(".weight") and any(t in n for t in TARGETS)]
+    assert sorted(read_record(out).low_rank) == sorted(solved)  # the route, not the dense copies
+    for name in solved:
+        expected = _expected(base, adapters, stats, name, gram)
+        assert relative_error(merged[name].double() - pre[name].double(), expected) < 1e-6, name
+        delta = merged[name].double() - pre[name].double()  # rank ≤ Σ r_t, up to float32 storage
+        assert torch.linalg.matrix_rank(delta, rtol=1e-4) <= 2 + 3 + 4
+    for name in ("model.layers.0.self_attn.o_proj.weight", "model.embed_tokens.weight"):
+        assert torch.equal(merged[name], pre[name])  # no adapter touches them: the base
+
+
+def test_the_full_route_the_cache_and_a_ties_anchor_agree_with_it(lora_stats, tmp_path):
+    base, adapters, stats = lora_stats
+    runs = {
+        "route": {},
+        "full": {"low_rank": False},
+        "cached": {"cache": str(tmp_path / "factors")},
+        "ties": {"anchor_method": "ties", "density": 0.5},
+        "ties full": {"anchor_method": "ties", "density": 0.5, "low_rank": False},
+    }
+    merged = {}
+    for label, parameters in runs.items():
+        merge_recipe_text(_recipe(base, adapters, stats, gram="activations", **parameters), tmp_path / label)
+        merged[label] = load_weights(tmp_path / label)
+    assert read_record(tmp_path / "full").low_rank == {}
+    names = sorted(read_record(tmp_path / "route").low_rank)
+    assert sorted(read_record(tmp_path / "ties").low_rank) == names
+    for name in names:
+        assert relative_error(merged["full"][name], merged["route"][name]) < 1e-5, name
+        assert relative_error(merged["cached"][name], merged["route"][name]) < 1e-5, name
+        assert relative_error(merged["ties full"][name], merged["ties"][name]) < 1e-5, name
