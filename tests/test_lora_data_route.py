@@ -112,3 +112,32 @@ def test_the_full_route_the_cache_and_a_ties_anchor_agree_with_it(lora_stats, tm
         assert relative_error(merged["full"][name], merged["route"][name]) < 1e-5, name
         assert relative_error(merged["cached"][name], merged["route"][name]) < 1e-5, name
         assert relative_error(merged["ties full"][name], merged["ties"][name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("off_diagonal_scale", [1.0, 0.5])
+def test_regmean_over_adapters_is_regmean_of_their_exact_updates(
+    lora_stats, tmp_path, off_diagonal_scale, monkeypatch
+):
+    from mergekit_bmm.core.regmean import regmean_merge
+    from mergekit_bmm.merge_methods import regmean
+
+    solved = []  # the weights merged from the adapters' factors
+    route = regmean.regmean_low_rank
+    monkeypatch.setattr(regmean, "regmean_low_rank", lambda *a: solved.append(a) or route(*a))
+    base, adapters, stats = lora_stats
+    recipe = {
+        "merge_method": "regmean",
+        "base_model": str(base),
+        "models": [{"model": f"{base}+{a}"} for a in adapters],
+        "parameters": {"stats": str(stats), "off_diagonal_scale": off_diagonal_scale},
+        "dtype": "float64",
+    }
+    merge_recipe_text(yaml.safe_dump(recipe), tmp_path / "regmean")
+    merged, pre = load_weights(tmp_path / "regmean"), load_weights(base)
+    grams = stored_grams(stats)
+    for name in [n for n in pre if n.endswith(".weight") and any(t in n for t in TARGETS)]:
+        vectors = _exact_updates(adapters, name.removesuffix(".weight"))
+        task_grams = [grams[f"{base}+{adapter}"][name].double() for adapter in adapters]
+        expected = regmean_merge(vectors, task_grams, off_diagonal_scale)
+        assert relative_error(merged[name].double() - pre[name].double(), expected) < 1e-9, name
+    assert len(solved) == 2 * len(TARGETS)

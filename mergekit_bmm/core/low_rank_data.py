@@ -98,3 +98,22 @@ def mix_factored(few: FactoredEquations, free: FactoredEquations, epsilon: float
 def _mean_eigenvalue(gram: torch.Tensor) -> float:
     value = float(torch.diagonal(gram).sum()) / gram.shape[0]
     return value if value > 0 else 1.0
+
+
+def regmean_low_rank(
+    updates: Sequence[LowRankUpdate],
+    grams: Sequence[torch.Tensor],
+    experts: int,
+    off_diagonal_scale: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """RegMean's merged update ``(Σ U_t G̃_t)(Σ G̃_t)⁻¹`` of LoRA experts as ``B · [Z G̃⁻¹]`` (``k`` rows),
+    with the mean task vector ``Σ U_t / T = B (A / T)`` where no task's data reach (as
+    :func:`~mergekit_bmm.core.regmean.regmean_merge`); ``grams`` over all ``experts``."""
+    from mergekit_bmm.core.merge_tools import solve_normal
+    from mergekit_bmm.core.regmean import shrink_off_diagonal
+
+    shrunk = [shrink_off_diagonal(g.to(dtype), off_diagonal_scale) for g in grams]
+    equations = activation_factored(updates, shrunk, dtype)
+    mean = torch.cat([u.right.to(dtype) / experts for u in updates], dim=0)
+    return equations.left @ solve_normal(equations.gram, equations.right, mean)

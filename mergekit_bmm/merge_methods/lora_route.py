@@ -79,6 +79,19 @@ def _route_updates(
         whole = name.rsplit("[", 1)[0]
     elif "[" in name:
         return None
+    return adapter_factors(group, tasks, name, whole, piece)
+
+
+def adapter_factors(
+    group: TensorGroup,
+    tasks: Sequence[TensorEntry],
+    name: str,
+    whole: str | None = None,
+    piece: Piece | None = None,
+) -> list[LowRankUpdate] | None:
+    """Every expert's ``(s·B, A)`` for the weight ``whole`` (default ``name``), when the experts are
+    plain adapters on the recipe's base ([] when none touches it; None otherwise)."""
+    whole = whole or name
     adapters = plain_adapters(group, tasks)
     if adapters is None:
         return None

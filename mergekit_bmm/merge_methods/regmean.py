@@ -17,9 +17,12 @@ import logging
 
 from mergekit.merge_methods.base import ParameterScope
 
+from mergekit_bmm.core.low_rank import LowRankUpdate
+from mergekit_bmm.core.low_rank_data import regmean_low_rank
 from mergekit_bmm.core.merge_tools import mean_task_vector
 from mergekit_bmm.core.regmean import DEFAULT_OFF_DIAGONAL_SCALE, regmean_merge
 from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.merge_methods.lora_route import adapter_factors
 from mergekit_bmm.merge_methods.parameter_ranges import CheckedParameter
 from mergekit_bmm.merge_methods.pieces import unreached
 from mergekit_bmm.merge_methods.task_vector_method import TaskVectorMethod
@@ -80,4 +83,20 @@ class RegMeanMerge(TaskVectorMethod):
         grams = activation_grams_for(stats_dir, name, [entry.id for entry in tasks], d_in=in_features)
         device = task_vectors[0].device
         checked = [gram.to(device=device) for gram in grams]
+        updates = self.adapter_updates(group, tasks, name, tuple(task_vectors[0].shape))
+        if updates:  # LoRA experts: C = B·Z from their factors, k rows solved
+            moved = [LowRankUpdate(u.left.to(device), u.right.to(device), u.expert) for u in updates]
+            dtype = task_vectors[0].dtype
+            return regmean_low_rank(moved, checked, len(tasks), parameters["off_diagonal_scale"], dtype)
         return regmean_merge(task_vectors, checked, parameters["off_diagonal_scale"])
+
+    @staticmethod
+    def adapter_updates(group, tasks, name: str, shape: tuple[int, int]) -> list[LowRankUpdate] | None:
+        """The experts' adapter factors when every expert is a plain adapter on the base and the
+        factors have the weight's (out, in) shape (not a transposed layout)."""
+        if "[" in name:
+            return None
+        updates = adapter_factors(group, tasks, name)
+        if not updates or any(u.left.shape[0] != shape[0] or u.right.shape[1] != shape[1] for u in updates):
+            return None
+        return updates
