@@ -199,7 +199,7 @@ class SearchSpec(_Strict):
     )
 
     anchors: list[str] = Field(default_factory=list, description="anchor names (`pretrained`, ...)")
-    settings: list[Literal["data_free", "data_assisted"]] = ["data_free", "data_assisted"]
+    settings: list[Literal["data_free", "data_assisted", "mix"]] = ["data_free", "data_assisted"]
     blocks: int = Field(default=2, ge=1)
     groups: list[str] = ["attn_in+attn_out", "mlp_in", "mlp_out"]
     lambda_range: tuple[float, float] | None = Field(
@@ -337,6 +337,11 @@ class LoraTrackSpec(_Strict):
     )
     knots_top_k: list[float] = Field(
         default=[0.2, 0.5, 1.0], min_length=1, description="KnOTS-TIES: share of each task's entries kept"
+    )
+    search: SearchSpec | None = Field(
+        default=None,
+        description="the LoRA track's own BMM searches (K, settings: data_free, data_assisted, mix; the "
+        "data-assisted ones read the adapters' statistics); None: the language track's",
     )
 
 

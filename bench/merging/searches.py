@@ -26,7 +26,7 @@ from bench.merging.config import SearchSpec, StatsSpec
 from bench.merging.scoring import mean
 from mergekit_bmm.errors import ConfigError
 
-SETTING_GRAM = {"data_free": "data_free", "data_assisted": "activations"}
+SETTING_GRAM = {"data_free": "data_free", "data_assisted": "activations", "mix": "mix"}
 
 
 def _run(command: str, args: list[str], log: Path) -> None:
@@ -99,7 +99,7 @@ def bmm_template(
         parameters["anchor_method"] = "pretrained"
     else:
         models.append({"model": str(anchor), "parameters": {"anchor": True}})
-    if setting == "data_assisted":
+    if setting != "data_free":
         if stats is None:
             raise ConfigError("data-assisted BMM needs the statistics stage")
         parameters["stats"] = str(stats)

@@ -196,6 +196,21 @@ def test_lora_experts_peft_merges_and_their_intervals(mc_task, tiny_llama, tmp_p
     table = lora_markdown({**found, "knots": {"ties": knots}}, ["mood_mc"], lambda label, scores: label)
     assert "PEFT ties (weight 0.5, density 0.5)" in table and "KnOTS-TIES (weight 0.5, top-K 1.0)" in table
 
+    # the data-assisted columns: the adapter's statistics on its training prompts, then mix BMM over them
+    import yaml
+
+    from bench.merging.language.statistics import expert_statistics
+    from bench.merging.searches import bmm_template
+    from mergekit_bmm.cards.merge_record import read_record
+    from mergekit_bmm.plugin.run import merge_recipe_text
+
+    expert = f"{tiny_llama.base}+{adapters[0]}"
+    stats = expert_statistics(tmp_path, [expert], [mc_task], 48)
+    assert expert_statistics(tmp_path, [expert], [mc_task], 48) == stats  # collected once
+    recipe = bmm_template(tiny_llama.base, [expert], None, "mix", stats)
+    merge_recipe_text(yaml.safe_dump(recipe), tmp_path / "mix")
+    assert read_record(tmp_path / "mix").low_rank  # solved from the adapter's factors
+
 
 def test_the_lora_picture_draws_each_bmm_against_every_other_merge(tmp_path):
     from bench.merging.report.plots import plot_lora_intervals

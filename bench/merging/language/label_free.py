@@ -20,16 +20,26 @@ from bench.merging.merging import recipe_key
 from bench.merging.searches import run_search, search_config
 
 
-def bmm_models(anchor: str, bmm: dict[str, Any]) -> dict[str, str]:
+def bmm_models(anchor: str, bmm: dict[str, Any], setting: str = "data_free") -> dict[str, str]:
     """The models of BMM over one anchor, by the names the paired intervals use: searched on
-    validation, at its defaults, at ``lambda: auto``, and each search that read no labels."""
+    validation, at its defaults, at ``lambda: auto``, and each search that read no labels (a
+    data-assisted or mix setting named after ``bmm``: ``bmm mix defaults over ties``)."""
+    mode = "" if setting == "data_free" else f" {setting}"
     models = {
-        f"bmm over {anchor}": bmm["model_id"],
-        f"bmm defaults over {anchor}": bmm["defaults"]["model_id"],
-        f"bmm auto over {anchor}": bmm["auto"]["model_id"],
+        f"bmm{mode} over {anchor}": bmm["model_id"],
+        f"bmm{mode} defaults over {anchor}": bmm["defaults"]["model_id"],
+        f"bmm{mode} auto over {anchor}": bmm["auto"]["model_id"],
     }
     for objective, entry in (bmm.get("label_free") or {}).items():
         models[f"bmm {objective} over {anchor}"] = entry["model_id"]
+    return models
+
+
+def every_bmm_model(anchor: str, entry: dict[str, Any]) -> dict[str, str]:
+    """The paired intervals' names of every BMM model over ``anchor`` (each setting's)."""
+    models = bmm_models(anchor, entry["bmm"]) if "bmm" in entry else {}
+    for setting, found in (entry.get("bmm_settings") or {}).items():
+        models.update(bmm_models(anchor, found, setting))
     return models
 
 
@@ -57,22 +67,31 @@ def label_free_evaluator(spec: Any, tasks, experts, max_length: int, batch: int)
 
 
 def label_free_searches(
-    config: RunConfig, cache_dir: Path, anchor: str, template: dict[str, Any], tasks, experts, include, jobs
+    config: RunConfig,
+    cache_dir: Path,
+    anchor: str,
+    template: dict[str, Any],
+    tasks,
+    experts,
+    include,
+    jobs,
+    search_spec=None,
 ) -> dict[str, dict[str, Any]]:
     """Per label-free objective configured for ``anchor``: the search (same K and seed as the labelled
-    one) and its best model's lm-eval scores."""
+    one, ``search_spec`` or the language track's) and its best model's lm-eval scores."""
     spec = config.language
+    search_spec = search_spec or spec.search
     cache, limit, batch = ScoreCache(cache_dir), spec.eval_limit, spec.eval_batch_size
     out = {}
-    for free in spec.search.label_free:
+    for free in search_spec.label_free:
         if anchor not in free.anchors or "data_free" not in free.settings:
             continue
         evaluator = label_free_evaluator(free, tasks, experts, spec.max_length, batch)
-        search = search_config(spec.search, template, evaluator, "bo", spec.search.seeds[0])
+        search = search_config(search_spec, template, evaluator, "bo", search_spec.seeds[0])
         key = stable_key({k: v for k, v in search.items() if k != "budget"})
         folder = cache_dir / "searches" / config.name / f"language-{free.objective}-{anchor}-data_free-{key}"
         tqdm.write(f"LM bmm    search over {anchor} with no labels ({free.objective}) -> {folder}")
-        found = run_search(search, folder, spec.search.threads, spec.search.workers)
+        found = run_search(search, folder, search_spec.threads, search_spec.workers)
         recipe = yaml.safe_load(found["best_yml"].read_text(encoding="utf-8"))
         scores, _ = score_lm(recipe_key(recipe), found["best_dir"], jobs, include, cache, batch, limit)
         out[free.objective] = {

@@ -29,10 +29,11 @@ from bench.merging.cache import ScoreCache, Stage, model_folder_fingerprint, sta
 from bench.merging.config import LoraTrackSpec, RunConfig
 from bench.merging.finetune import deterministic
 from bench.merging.intervals import paired_difference
-from bench.merging.language.label_free import bmm_models
+from bench.merging.language.label_free import every_bmm_model
 from bench.merging.language.lm_eval_runner import score_lm, summarize, test_documents
 from bench.merging.language.lm_finetune import collate, encode_example
 from bench.merging.language.mc_tasks import MCTask
+from bench.merging.language.statistics import expert_statistics
 from bench.merging.training import batch_order, expert_key, expert_seed, summary, train_loop
 
 DENSITY_METHODS = {"ties", "dare_ties", "dare_linear", "magnitude_prune", "ties_svd", "dare_ties_svd"}
@@ -179,13 +180,17 @@ def run_lora_track(
     experts = [f"{model_dir}+{adapters[t.name]}" for t in tasks]
     models: dict[str, str] = {}
     out["anchors"] = {}
+    search = spec.search or language.search
+    stats = None  # the adapters' statistics: data-assisted and mix BMM, RegMean
+    if set(search.settings) - {"data_free"} or any(a.method == "regmean" for a in spec.anchors):
+        stats = expert_statistics(cache_dir, experts, tasks, language.max_length)
     for anchor_spec in spec.anchors:
-        anchor = tuned_anchor(config, cache_dir, anchor_spec, model_dir, experts, tasks, include, {})
+        anchor = tuned_anchor(
+            config, cache_dir, anchor_spec, model_dir, experts, tasks, include, {}, search, stats
+        )
         out["anchors"][anchor_spec.name] = anchor
         models[anchor_spec.name] = anchor["model_id"]
-        if "bmm" in anchor:
-            bmm = anchor["bmm"]
-            models.update(bmm_models(anchor_spec.name, bmm))
+        models.update(every_bmm_model(anchor_spec.name, anchor))
     out["peft"] = {}
     ordered = [adapters[t.name] for t in tasks]
     for method in spec.peft_methods:

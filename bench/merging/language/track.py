@@ -19,7 +19,7 @@ from bench.merging.cache import ScoreCache, write_json
 from bench.merging.config import RunConfig
 from bench.merging.intervals import paired_difference
 from bench.merging.language.convert import prepare_language_model
-from bench.merging.language.label_free import bmm_models, label_free_searches
+from bench.merging.language.label_free import every_bmm_model, label_free_searches
 from bench.merging.language.lm_eval_runner import (
     lm_score_key,
     needs_scoring,
@@ -29,6 +29,7 @@ from bench.merging.language.lm_eval_runner import (
 )
 from bench.merging.language.lm_finetune import build_lm_expert
 from bench.merging.language.mc_tasks import build_mc_task, write_lm_eval_yamls
+from bench.merging.language.statistics import expert_statistics
 from bench.merging.merging import (
     chooses_lambda,
     chosen_lambdas,
@@ -115,23 +116,28 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
     if work.exists():
         shutil.rmtree(work)
     expert_dirs = [experts[t.name] for t in tasks]
+    stats = None
+    # data-assisted BMM and RegMean read the experts' Grams
+    needs = any(a.method == "regmean" for a in spec.anchors) or set(spec.search.settings) != {"data_free"}
+    if needs and spec.search.budget > 0:
+        stats = expert_statistics(cache_dir, expert_dirs, tasks, spec.max_length)
     if spec.search.budget > 0:
         anchor_dir = (
             cache_dir / "language" / "anchors" / f"task_arithmetic-{recipe_key(recipe).split(':')[1][:12]}"
         )
         anchor_dir.parent.mkdir(parents=True, exist_ok=True)
         anchor_dir, _ = materialise(recipe, anchor_dir)
-        out["bmm"] = _bmm_over_anchor(
-            config, cache_dir, model_dir, "task_arithmetic", anchor_dir, expert_dirs, tasks, include, timings
-        )
-        models.update(bmm_models("task_arithmetic", out["bmm"]))
+        over = (config, cache_dir, model_dir, "task_arithmetic", anchor_dir, expert_dirs, tasks, include)
+        out.update(bmm_over(over, timings, spec.search, stats))
+        models.update(every_bmm_model("task_arithmetic", out))
     out["anchors"] = {}
     for anchor_spec in spec.anchors:
-        anchor = tuned_anchor(config, cache_dir, anchor_spec, model_dir, expert_dirs, tasks, include, timings)
+        anchor = tuned_anchor(
+            config, cache_dir, anchor_spec, model_dir, expert_dirs, tasks, include, timings, stats=stats
+        )
         out["anchors"][anchor_spec.name] = anchor
         models[anchor_spec.name] = anchor["model_id"]
-        if "bmm" in anchor:
-            models.update(bmm_models(anchor_spec.name, anchor["bmm"]))
+        models.update(every_bmm_model(anchor_spec.name, anchor))
     if spec.lora.enabled:  # the same tasks with LoRA experts: BMM against PEFT's adapter merges
         from bench.merging.language.lora_track import run_lora_track
 
@@ -154,11 +160,28 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
 
 
 def tuned_anchor(
-    config: RunConfig, cache_dir: Path, anchor_spec, model_dir: Path, experts, tasks, include, timings
+    config: RunConfig,
+    cache_dir: Path,
+    anchor_spec,
+    model_dir: Path,
+    experts,
+    tasks,
+    include,
+    timings,
+    search=None,
+    stats: Path | None = None,
 ) -> dict[str, Any]:
     """An anchor's own scale tuned on validation (as for the encoder track), its test scores, and
-    data-free BMM over it when the language search is on."""
+    BMM over it in each of ``search``'s settings (default: the language track's search, data-free);
+    ``stats`` serve the data-assisted settings and a ``regmean`` anchor."""
     spec = config.language
+    search = search or spec.search
+    if anchor_spec.method == "regmean":  # RegMean reads the experts' statistics
+        if stats is None:
+            raise ValueError(f"anchor {anchor_spec.name}: regmean needs the experts' statistics")
+        anchor_spec = anchor_spec.model_copy(
+            update={"parameters": {**anchor_spec.parameters, "stats": str(stats)}}
+        )
     cache = ScoreCache(cache_dir)
     limit, batch = spec.eval_limit, spec.eval_batch_size
     work = cache_dir / "language" / "merges" / "work"
@@ -197,10 +220,22 @@ def tuned_anchor(
         "validation_sweep": tuned["sweep"],
         "scores": summarize(scores),
     }
-    if spec.search.budget > 0:
-        out["bmm"] = _bmm_over_anchor(
-            config, cache_dir, model_dir, anchor_spec.name, tuned["folder"], experts, tasks, include, timings
-        )
+    if search.budget > 0 and (not search.anchors or anchor_spec.name in search.anchors):
+        over = (config, cache_dir, model_dir, anchor_spec.name, tuned["folder"], experts, tasks, include)
+        out.update(bmm_over(over, timings, search, stats))
+    return out
+
+
+def bmm_over(over: tuple, timings, search, stats: Path | None) -> dict[str, Any]:
+    """BMM over one kept anchor in each of ``search``'s settings: ``bmm`` (data-free) and
+    ``bmm_settings`` (data-assisted, mix: from the experts' statistics)."""
+    out: dict[str, Any] = {}
+    for setting in search.settings:
+        found = _bmm_over_anchor(*over, timings, search, setting, stats)
+        if setting == "data_free":
+            out["bmm"] = found
+        else:
+            out.setdefault("bmm_settings", {})[setting] = found
     return out
 
 
@@ -214,15 +249,20 @@ def _bmm_over_anchor(
     tasks,
     include,
     timings,
+    search_spec,
+    setting: str = "data_free",
+    stats: Path | None = None,
 ) -> dict[str, Any]:
-    """Data-free BMM over a kept anchor merge, λ/s from ``mergekit-bmm-search`` with lm-eval."""
+    """BMM (``setting``) over a kept anchor merge, λ/s from ``mergekit-bmm-search`` with lm-eval."""
     from bench.merging.cache import stable_key
     from bench.merging.searches import bmm_template, run_search, search_config
 
     spec = config.language
     cache = ScoreCache(cache_dir)
     limit, batch = spec.eval_limit, spec.eval_batch_size
-    template = bmm_template(model_dir, experts, anchor_dir, "data_free", None)
+    template = bmm_template(
+        model_dir, experts, anchor_dir, setting, stats if setting != "data_free" else None
+    )
     evaluator = {
         "type": "lm_eval",
         "tasks": [{"name": t.lm_eval_name("validation"), "metric": "acc"} for t in tasks],
@@ -231,11 +271,11 @@ def _bmm_over_anchor(
         "batch_size": batch,
         "dtype": "float32",
     }
-    search = search_config(spec.search, template, evaluator, "bo", spec.search.seeds[0])
+    search = search_config(search_spec, template, evaluator, "bo", search_spec.seeds[0])
     key = stable_key({k: v for k, v in search.items() if k != "budget"})
-    folder = cache_dir / "searches" / config.name / f"language-{anchor}-data_free-{key}"
-    say(f"LM bmm    search over {anchor} (K={spec.search.budget}) -> {folder}")
-    outcome = run_search(search, folder, spec.search.threads, spec.search.workers)
+    folder = cache_dir / "searches" / config.name / f"language-{anchor}-{setting}-{key}"
+    say(f"LM bmm    search over {anchor}, {setting} (K={search_spec.budget}) -> {folder}")
+    outcome = run_search(search, folder, search_spec.threads, search_spec.workers)
     import yaml
 
     best = yaml.safe_load(outcome["best_yml"].read_text(encoding="utf-8"))
@@ -243,6 +283,7 @@ def _bmm_over_anchor(
     model_id = recipe_key(best)
     scores, _ = score_lm(model_id, outcome["best_dir"], jobs, include, cache, batch, limit)
     prefix = "bmm_search" if anchor == "task_arithmetic" else f"bmm_{anchor}_search"
+    prefix += "" if setting == "data_free" else f"_{setting}"
     timings[f"{prefix}_merge_seconds"] = outcome["times"]["merge"]
     timings[f"{prefix}_evaluate_seconds"] = outcome["times"]["evaluate"]
     timings[f"{prefix}_surrogate_seconds"] = outcome["times"]["surrogate"]
@@ -254,12 +295,16 @@ def _bmm_over_anchor(
     chosen: dict[str, Any] = {}
     auto = merge_and_score_lm(automatic, jobs, include, cache, batch, limit, work, {}, chosen)
     shutil.rmtree(work, ignore_errors=True)
-    label_free = label_free_searches(config, cache_dir, anchor, template, tasks, experts, include, jobs)
+    label_free = (
+        label_free_searches(config, cache_dir, anchor, template, tasks, experts, include, jobs, search_spec)
+        if setting == "data_free"
+        else {}
+    )
     return {
         **({"label_free": label_free} if label_free else {}),
         "anchor": anchor,
         "model_id": model_id,
-        "setting": "data_free",
+        "setting": setting,
         "budget": outcome["trials"],
         "best_values": outcome["best_values"],
         "search_validation": outcome["best_validation"],

@@ -11,7 +11,8 @@ def _bmm_label(anchor: str, bmm: dict[str, Any]) -> str:
     values = ", ".join(
         f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in (bmm["best_values"] or {}).items()
     )
-    return f"{anchor} + BMM (data-free, K={bmm['budget']}; {values})"
+    setting = bmm.get("setting", "data_free").replace("_", "-")
+    return f"{anchor} + BMM ({setting}, K={bmm['budget']}; {values})"
 
 
 def language_markdown(language: dict[str, Any]) -> str:
@@ -94,10 +95,18 @@ def _anchor_rows(row, anchors: dict[str, Any]) -> list[str]:
     for name, anchor in anchors.items():
         tuned = f"{anchor['parameter']} {anchor['value']}" if anchor.get("parameter") else "defaults"
         lines.append(row(f"{name} ({tuned})", anchor["scores"]))
-        if "bmm" in anchor:
-            lines.append(row(_bmm_label(name, anchor["bmm"]), anchor["bmm"]["scores"]))
-            lines += _one_merge_rows(row, name, anchor["bmm"])
+        searched = [anchor["bmm"]] if "bmm" in anchor else []
+        for bmm in searched + list(
+            (anchor.get("bmm_settings") or {}).values()
+        ):  # data-free, then data-assisted and mix
+            lines.append(row(_bmm_label(name, bmm), bmm["scores"]))
+            lines += _one_merge_rows(row, name, bmm)
     return lines
+
+
+def _mode(bmm: dict) -> str:
+    setting = bmm.get("setting", "data_free")
+    return "" if setting == "data_free" else f" ({setting.replace('_', '-')})"
 
 
 def _one_merge_rows(row, anchor: str, bmm: dict) -> list[str]:
@@ -105,11 +114,11 @@ def _one_merge_rows(row, anchor: str, bmm: dict) -> list[str]:
     the evidence chose), and searched on agreement with the experts (or entropy)."""
     lines = []
     if "defaults" in bmm:
-        lines.append(row(f"BMM over {anchor} at its defaults", bmm["defaults"]["scores"]))
+        lines.append(row(f"BMM{_mode(bmm)} over {anchor} at its defaults", bmm["defaults"]["scores"]))
     if "auto" in bmm:
         chosen = [c["lambda"] for c in (bmm["auto"].get("lambda_auto") or {}).values()]
         median = f", median λ {sorted(chosen)[len(chosen) // 2]:.3g}" if chosen else ""
-        lines.append(row(f"BMM over {anchor} at lambda: auto{median}", bmm["auto"]["scores"]))
+        lines.append(row(f"BMM{_mode(bmm)} over {anchor} at lambda: auto{median}", bmm["auto"]["scores"]))
     for objective, entry in (bmm.get("label_free") or {}).items():  # searched, but read no labels
         lines.append(row(f"BMM over {anchor} searched with no labels ({objective})", entry["scores"]))
     return lines
