@@ -381,24 +381,47 @@ def weight_from_factors(
     return merged.to(base.dtype)
 
 
+@dataclass(frozen=True)
+class RidgeFactor:
+    """The Cholesky factor of ``G + λ'I`` (or of ``G/λ' + I`` when λ' dominates ``G``'s diagonal):
+    one factorisation that every weight with this ``G`` and λ' can solve with (q, k and v reading
+    one input's activation Gram)."""
+
+    factor: torch.Tensor
+    ridge: float
+    scaled: bool
+
+    def solve(self, cross: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """``(C + λ'U0)(G + λ'I)⁻¹``."""
+        anchor = anchor.to(device=self.factor.device, dtype=self.factor.dtype)
+        cross = cross.to(device=self.factor.device, dtype=self.factor.dtype)
+        right = (cross * (1.0 / self.ridge) + anchor).T if self.scaled else (cross + self.ridge * anchor).T
+        return torch.cholesky_solve(right, self.factor).T
+
+
+def ridge_factor(gram: torch.Tensor, ridge: float) -> RidgeFactor | None:
+    """The factor of ``G + λ'I``, or None where the eigen route must solve (λ' at or below ``G``'s
+    numerical zero, or a failed factorisation)."""
+    if ridge < 0 or ridge != ridge:
+        raise ConfigError(f"the effective ridge must be >= 0; got {ridge}")
+    d_in = gram.shape[-1]
+    diagonal_max = _diagonal_max(gram)
+    if not _ridge_is_regular(ridge, diagonal_max, d_in, gram.dtype):
+        return None
+    identity = torch.eye(d_in, dtype=gram.dtype, device=gram.device)
+    scaled = _ridge_dominates(ridge, diagonal_max)  # U (G/λ' + I) = C/λ' + U0
+    system = gram / ridge + identity if scaled else gram + ridge * identity
+    factor, info = torch.linalg.cholesky_ex(system)
+    return RidgeFactor(factor, ridge, scaled) if int(info) == 0 else None
+
+
 def solve(equations: NormalEquations, anchor: torch.Tensor, ridge: float) -> torch.Tensor:
     """``U = (C + λ'U0)(G + λ'I)⁻¹`` by Cholesky; eigen fallback when (near) singular."""
     _check_anchor(equations, anchor)
-    if ridge < 0 or ridge != ridge:
-        raise ConfigError(f"the effective ridge must be >= 0; got {ridge}")
-    gram = equations.gram
-    anchor = anchor.to(device=gram.device, dtype=gram.dtype)
-    diagonal_max = _diagonal_max(gram)
-    if _ridge_is_regular(ridge, diagonal_max, equations.d_in, gram.dtype):
-        identity = torch.eye(equations.d_in, dtype=gram.dtype, device=gram.device)
-        if _ridge_dominates(ridge, diagonal_max):  # U (G/λ' + I) = C/λ' + U0
-            inverse = 1.0 / ridge
-            system, right = gram * inverse + identity, (equations.cross * inverse + anchor).T
-        else:
-            system, right = gram + ridge * identity, (equations.cross + ridge * anchor).T
-        factor, info = torch.linalg.cholesky_ex(system)
-        if int(info) == 0:
-            return torch.cholesky_solve(right, factor).T
+    factor = ridge_factor(equations.gram, ridge)
+    if factor is not None:
+        return factor.solve(equations.cross, anchor)
+    anchor = anchor.to(device=equations.gram.device, dtype=equations.gram.dtype)
     return solve_from_factors(eigen_factors(equations, anchor), ridge)
 
 

@@ -56,7 +56,11 @@ from mergekit_bmm.merge_methods.factor_cache import key as cache_key
 from mergekit_bmm.merge_methods.factor_cache.fill import fill_exact_factors, fill_factors, thin_rank
 from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
 from mergekit_bmm.merge_methods.finite import check_finite, checked_base, checked_output
-from mergekit_bmm.merge_methods.lora_data_route import factored_equations, solve_factored
+from mergekit_bmm.merge_methods.lora_data_route import (
+    factored_equations,
+    shared_input_key,
+    solve_factored,
+)
 from mergekit_bmm.merge_methods.lora_route import keeps_base, lora_data_updates, lora_updates, span_anchor
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
 from mergekit_bmm.merge_methods.pieces import (
@@ -298,7 +302,8 @@ class _Solve:
         span = span_anchor(self.source, tuple(self.orient(self.base).shape))
         prior = lambda: self.orient(self.source.weight(dtype) - base_c)  # noqa: E731
         merge_findings.note_low_rank(self.name, sum(update.rank for update in updates))
-        merged, ridge = solve_factored(equations, updates, span, prior, self.settings)
+        shared = shared_input_key(self.settings, self.name, self.tasks)  # q/k/v: one factorisation
+        merged, ridge = solve_factored(equations, updates, span, prior, self.settings, shared)
         return self._output(merged.to(dtype), base_c, lambda: ridge, dtype, gram=equations.gram)
 
     def _low_rank_factors(self, updates: list[LowRankUpdate]) -> closed_form.EigenFactors:

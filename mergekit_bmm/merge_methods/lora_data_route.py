@@ -8,7 +8,9 @@ from the dense copies mergekit made of the adapters. With an anchor that sums th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from mergekit.merge_methods.base import TensorEntry
@@ -53,11 +55,56 @@ def solve_factored(
     span: SpanAnchor | None,
     dense_prior: Callable[[], torch.Tensor],
     settings: BMMSettings,
+    shared_input: Hashable | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """The merged update ``U`` (``d_out × d_in``) and the ridge λ' it was solved with."""
+    """The merged update ``U`` (``d_out × d_in``) and the ridge λ' it was solved with.
+    ``shared_input`` names the input when ``G`` is that input's alone (``gram: activations``): the
+    weights reading it (q, k, v; gate, up) then share one factorisation of ``G + λ'I``."""
     rows = NormalEquations(equations.gram, equations.right)  # the same G: the same λ'
     ridge = closed_form.effective_ridge(settings.lam, rows, settings.lambda_mode)
+    factor = _shared_factor(shared_input, equations.gram, ridge)
     if span is not None:  # U = B · [(Z + λ' c⊙A)(G + λ'I)⁻¹]: k rows
-        solved = closed_form.solve(rows, equations.in_span(updates, span.coefficients), ridge)
+        prior = equations.in_span(updates, span.coefficients)
+        solved = factor.solve(rows.cross, prior) if factor else closed_form.solve(rows, prior, ridge)
         return equations.left @ solved, ridge
-    return closed_form.solve(equations.dense(), dense_prior(), ridge), ridge
+    dense = equations.dense()
+    prior = dense_prior()
+    return (factor.solve(dense.cross, prior) if factor else closed_form.solve(dense, prior, ridge)), ridge
+
+
+_FACTORS: OrderedDict[Hashable, closed_form.RidgeFactor] = OrderedDict()
+_KEEP = 2  # an input's factor serves its q, k and v (gate and up), merged one after the other
+_lock = threading.Lock()
+
+
+def _shared_factor(key: Hashable | None, gram: torch.Tensor, ridge: float) -> closed_form.RidgeFactor | None:
+    """The factor of ``G + λ'I`` for the input ``key`` (computed once, kept for the next weights)."""
+    if key is None:
+        return closed_form.ridge_factor(gram, ridge)
+    # the Gram's content is part of the key: statistics collected again under the same name never
+    # meet a factor of the old ones
+    checksum = (float(gram.sum(dtype=torch.float64)), float(torch.diagonal(gram).sum(dtype=torch.float64)))
+    full = (key, ridge, gram.dtype, str(gram.device), tuple(gram.shape), checksum)
+    with _lock:
+        found = _FACTORS.get(full)
+        if found is not None:
+            _FACTORS.move_to_end(full)
+            return found
+    factor = closed_form.ridge_factor(gram, ridge)
+    if factor is not None:
+        with _lock:
+            _FACTORS[full] = factor
+            while len(_FACTORS) > _KEEP:
+                _FACTORS.popitem(last=False)
+    return factor
+
+
+def shared_input_key(settings: BMMSettings, name: str, tasks: Sequence[TensorEntry]) -> Hashable | None:
+    """What identifies ``G`` across the weights that read one input: the statistics, the stored
+    Gram's key and the experts (``gram: activations`` only; mix adds each weight's own rows)."""
+    if settings.gram != "activations":
+        return None
+    from mergekit_bmm.stats.store import load_manifest
+
+    key = load_manifest(settings.stats).stored_key(statistics_name(name))
+    return None if key is None else (str(settings.stats), key, tuple(str(t.id) for t in tasks))
