@@ -160,3 +160,26 @@ def test_q_k_and_v_share_one_factorisation_of_their_input(lora_stats, tmp_path, 
     assert solved == 6 and len(factored) == 4  # q and v share theirs: 2 layers × (attention input, down)
     first, again = load_weights(tmp_path / "first"), load_weights(tmp_path / "again")
     assert all(torch.equal(first[name], again[name]) for name in first)
+
+
+def test_rows_kept_in_the_adapters_input_span_solve_the_restricted_problem(lora_stats, tmp_path):
+    """``low_rank_rows: adapters``: ``U = U0 + (C − U0 G) Q (QᵀGQ + λ'I)⁻¹ Qᵀ`` with ``Q`` the adapters'
+    input span, against a float64 reference; every row of the update lies in that span."""
+    base, adapters, stats = lora_stats
+    parameters = {"gram": "activations", "low_rank_rows": "adapters", "compute_dtype": "float64"}
+    merge_recipe_text(_recipe(base, adapters, stats, **parameters), tmp_path / "rows")
+    merged, pre = load_weights(tmp_path / "rows"), load_weights(base)
+    grams = stored_grams(stats)
+    name = "model.layers.1.mlp.down_proj.weight"
+    vectors = _exact_updates(adapters, name.removesuffix(".weight"))
+    gram = sum(grams[f"{base}+{adapter}"][name].double() for adapter in adapters)
+    cross = sum(v @ grams[f"{base}+{a}"][name].double() for v, a in zip(vectors, adapters))
+    anchor = 0.3 * sum(vectors)
+    rows = [torch.linalg.svd(v)[2][: torch.linalg.matrix_rank(v)] for v in vectors]  # each A_t's row span
+    q, _ = torch.linalg.qr(torch.cat(rows).T)
+    ridge = 0.05 * float(gram.trace()) / gram.shape[0]
+    inner = q.T @ gram @ q + ridge * torch.eye(q.shape[1], dtype=F64)
+    expected = anchor + torch.linalg.solve(inner, ((cross - anchor @ gram) @ q).T).T @ q.T
+    delta = merged[name].double() - pre[name].double()
+    assert relative_error(delta, expected) < 1e-6
+    assert relative_error(delta @ q @ q.T, delta) < 1e-6  # rows in the adapters' span (float32 storage)

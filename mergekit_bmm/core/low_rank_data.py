@@ -17,6 +17,11 @@ one ``k``-row solve per weight, and the merged update has rank ≤ k: an adapter
 it exactly. ``G`` itself is ``d_in × d_in`` (Σ G_t over every task, an expert whose adapter leaves the
 weight alone included: it asks for that weight's output to stay). Any other anchor keeps ``C = B Z``
 and solves the ``d_out`` rows densely.
+
+:func:`solve_in_input_span` is the variant that also keeps each row of the update in the
+span of the ``A_t`` (``Q``, ``d_in × k`` orthonormal): ``U = U0 + (C − U0 G) Q (QᵀGQ + λ'I)⁻¹ Qᵀ``, a
+``k × k`` solve with no ``d_in × d_in`` factorisation, which gives up the directions outside the
+adapters' inputs (``low_rank_rows: adapters``).
 """
 
 from __future__ import annotations
@@ -117,3 +122,29 @@ def regmean_low_rank(
     equations = activation_factored(updates, shrunk, dtype)
     mean = torch.cat([u.right.to(dtype) / experts for u in updates], dim=0)
     return equations.left @ solve_normal(equations.gram, equations.right, mean)
+
+
+def solve_in_input_span(
+    equations: FactoredEquations,
+    updates: Sequence[LowRankUpdate],
+    ridge: float,
+    span_prior: torch.Tensor | None,
+    dense_prior: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``U = U0 + (C − U0 G) Q (QᵀGQ + λ'I)⁻¹ Qᵀ`` with ``Q`` an orthonormal basis of the ``A_t``'s rows.
+    The anchor is ``B · span_prior`` (``c⊙A``) or ``dense_prior``."""
+    from mergekit_bmm.core import closed_form
+
+    dtype = equations.right.dtype
+    stacked = torch.cat([u.right.to(dtype) for u in updates], dim=0)  # A, k × d_in
+    q, _ = torch.linalg.qr(stacked.T)  # d_in × k
+    gram_q = equations.gram @ q
+    inner = q.T @ gram_q
+    inner = 0.5 * (inner + inner.T)
+    if span_prior is not None:  # everything k-sized: (Z − P G) Q, then B · (P + W Qᵀ)
+        residual = equations.right @ q - span_prior @ gram_q
+        weights = closed_form.solve(NormalEquations(inner, residual), torch.zeros_like(residual), ridge)
+        return equations.left @ (span_prior + weights @ q.T)
+    residual = equations.left @ (equations.right @ q) - dense_prior.to(dtype) @ gram_q
+    weights = closed_form.solve(NormalEquations(inner, residual), torch.zeros_like(residual), ridge)
+    return dense_prior.to(dtype) + weights @ q.T

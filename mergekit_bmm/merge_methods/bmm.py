@@ -375,6 +375,8 @@ class _Solve:
 
     def cached(self, cache: FactorCache) -> torch.Tensor:
         settings, dtype = self.settings, self.settings.compute_dtype
+        if settings.low_rank_rows == "adapters" and self.low_rank_data() is not None:
+            return self.direct()  # a k × k solve: cheaper than reading any cache entry
         key = cache_key.factor_key(settings, self.source, self.transpose)
         shape = tuple(self.orient(self.base).shape)
         updates = self.low_rank_updates()

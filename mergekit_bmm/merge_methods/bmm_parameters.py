@@ -131,6 +131,14 @@ def own_parameters() -> tuple[ParameterSpec, ...]:
             description="boolean (LoRA experts solved in their T·r subspace; false: the full route)",
         ),
         CheckedParameter(
+            "low_rank_rows",
+            Literal["any", "adapters"],
+            shared,
+            default="any",
+            description="LoRA experts, data-assisted: the exact closed form (any) or each row of the update "
+            "kept in the span of the adapters' A_t (adapters: a k x k solve)",
+        ),
+        CheckedParameter(
             "cache",
             str | None,
             shared,
@@ -224,6 +232,7 @@ class BMMSettings:
     cache_dtype: torch.dtype | None = None  # None: chosen per factor (methods/factor_precision.py)
     low_rank: bool = True  # LoRA experts through their T·r subspace (mergekit_bmm.core.low_rank)
     gram_sharing: str = "weight"  # "input": one data-free Gram for the weights that read one input
+    low_rank_rows: str = "any"  # "adapters": LoRA data route with rows in the span of the A_t
 
     @property
     def lambda_auto(self) -> bool:
@@ -253,6 +262,7 @@ class BMMSettings:
             cache_dtype=_cache_dtype(parameters.get("cache_dtype"), parameters["compute_dtype"]),
             low_rank=parameters.get("low_rank", True) is not False,
             gram_sharing=parameters.get("gram_sharing") or "weight",
+            low_rank_rows=parameters.get("low_rank_rows") or "any",
         )
         if settings.gram in ("activations", "mix") and not settings.stats:
             raise ConfigError(

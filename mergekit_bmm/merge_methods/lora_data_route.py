@@ -22,6 +22,7 @@ from mergekit_bmm.core.low_rank_data import (
     activation_factored,
     data_free_factored,
     mix_factored,
+    solve_in_input_span,
 )
 from mergekit_bmm.core.normal_equations import NormalEquations
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
@@ -62,6 +63,10 @@ def solve_factored(
     weights reading it (q, k, v; gate, up) then share one factorisation of ``G + λ'I``."""
     rows = NormalEquations(equations.gram, equations.right)  # the same G: the same λ'
     ridge = closed_form.effective_ridge(settings.lam, rows, settings.lambda_mode)
+    if settings.low_rank_rows == "adapters":  # rows in the span of the A_t: a k × k solve
+        in_span = equations.in_span(updates, span.coefficients) if span is not None else None
+        merged = solve_in_input_span(equations, updates, ridge, in_span, None if span else dense_prior())
+        return merged, ridge
     factor = _shared_factor(shared_input, equations.gram, ridge)
     if span is not None:  # U = B · [(Z + λ' c⊙A)(G + λ'I)⁻¹]: k rows
         prior = equations.in_span(updates, span.coefficients)
