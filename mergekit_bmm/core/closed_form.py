@@ -383,9 +383,8 @@ def weight_from_factors(
 
 @dataclass(frozen=True)
 class RidgeFactor:
-    """The Cholesky factor of ``G + λ'I`` (or of ``G/λ' + I`` when λ' dominates ``G``'s diagonal):
-    one factorisation that every weight with this ``G`` and λ' can solve with (q, k and v reading
-    one input's activation Gram)."""
+    """The Cholesky factor of ``G + λ'I`` (``G/λ' + I`` when λ' dominates): every weight with this
+    ``G`` and λ' solves with it (q, k and v reading one input's activation Gram)."""
 
     factor: torch.Tensor
     ridge: float
@@ -400,17 +399,16 @@ class RidgeFactor:
 
 
 def ridge_factor(gram: torch.Tensor, ridge: float) -> RidgeFactor | None:
-    """The factor of ``G + λ'I``, or None where the eigen route must solve (λ' at or below ``G``'s
-    numerical zero, or a failed factorisation)."""
+    """The factor of ``G + λ'I``; None where the eigen route must solve (λ' at or below ``G``'s
+    numerical zero, a failed factorisation)."""
     if ridge < 0 or ridge != ridge:
         raise ConfigError(f"the effective ridge must be >= 0; got {ridge}")
-    d_in = gram.shape[-1]
     diagonal_max = _diagonal_max(gram)
-    if not _ridge_is_regular(ridge, diagonal_max, d_in, gram.dtype):
+    if not _ridge_is_regular(ridge, diagonal_max, gram.shape[-1], gram.dtype):
         return None
-    identity = torch.eye(d_in, dtype=gram.dtype, device=gram.device)
     scaled = _ridge_dominates(ridge, diagonal_max)  # U (G/λ' + I) = C/λ' + U0
-    system = gram / ridge + identity if scaled else gram + ridge * identity
+    identity = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    system = gram * (1.0 / ridge) + identity if scaled else gram + ridge * identity
     factor, info = torch.linalg.cholesky_ex(system)
     return RidgeFactor(factor, ridge, scaled) if int(info) == 0 else None
 
@@ -426,10 +424,7 @@ def solve(equations: NormalEquations, anchor: torch.Tensor, ridge: float) -> tor
 
 
 def merge_matrix(
-    equations: NormalEquations,
-    anchor: torch.Tensor,
-    lam: float,
-    lambda_mode: LambdaMode = "relative",
+    equations: NormalEquations, anchor: torch.Tensor, lam: float, lambda_mode: LambdaMode = "relative"
 ) -> torch.Tensor:
     """The merged task vector ``U`` for a dimensionless (or absolute) λ."""
     return solve(equations, anchor, effective_ridge(lam, equations, lambda_mode))
