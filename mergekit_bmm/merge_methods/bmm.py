@@ -61,7 +61,7 @@ from mergekit_bmm.merge_methods.lora_data_route import (
     shared_input_key,
     solve_factored,
 )
-from mergekit_bmm.merge_methods.lora_route import keeps_base, lora_data_updates, lora_updates, span_anchor
+from mergekit_bmm.merge_methods.lora_route import keeps_base, lora_updates, span_anchor
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
 from mergekit_bmm.merge_methods.pieces import (
     Piece,
@@ -286,7 +286,7 @@ class _Solve:
         """The data-assisted route over LoRA experts (:mod:`.lora_data_route`): the factors and the
         factored equations (None when no adapter touches the weight), or None for the full route."""
         args = (self.settings, self.group, self.tasks, self.name, self.transpose, self.piece)
-        updates = lora_data_updates(*args)
+        updates = lora_updates(*args, data_assisted=True)
         if not updates:
             return None if updates is None else ([], None)
         d_in = self.orient(self.base).shape[1]

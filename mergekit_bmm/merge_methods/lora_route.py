@@ -31,46 +31,13 @@ def lora_updates(
     name: str,
     transpose: bool,
     piece: Piece | None = None,
+    data_assisted: bool = False,
 ) -> list[LowRankUpdate] | None:
-    """The experts' ``(s·B, A)`` for weight ``name`` ([] when no adapter touches it), or None when
-    the data-free low-rank route does not apply."""
-    if settings.gram != "data_free" or settings.gram_sharing != "weight":  # pooled Grams: full route
-        return None
-    return _route_updates(settings, group, tasks, name, transpose, piece)
-
-
-def lora_data_updates(
-    settings: BMMSettings,
-    group: TensorGroup,
-    tasks: Sequence[TensorEntry],
-    name: str,
-    transpose: bool,
-    piece: Piece | None = None,
-) -> list[LowRankUpdate] | None:
-    """The same factors for the data-assisted route (``gram: activations | mix``,
-    :mod:`mergekit_bmm.core.low_rank_data`), or None when it does not apply: ``lambda: auto`` (the
-    evidence reads dense equations), a mix whose data-free part pools other weights."""
-    if settings.gram not in ("activations", "mix") or settings.lambda_auto:
-        return None
-    if settings.gram == "mix" and settings.gram_sharing != "weight":
-        return None
-    return _route_updates(settings, group, tasks, name, transpose, piece)
-
-
-def _route_updates(
-    settings: BMMSettings,
-    group: TensorGroup,
-    tasks: Sequence[TensorEntry],
-    name: str,
-    transpose: bool,
-    piece: Piece | None = None,
-) -> list[LowRankUpdate] | None:
-    """The factors of every expert's adapter for ``name`` when the experts are plain adapters and the
-    weight an ``nn.Linear`` one; checked for NaN/Inf here, since the route reads them and not the
-    dense copies mergekit made from them."""
-    if not settings.low_rank or settings.task_balance != "none":
-        return None
-    if transpose:  # Conv1D layouts: full route
+    """The experts' ``(s·B, A)`` for weight ``name`` ([] when no adapter touches it), or None when the
+    route does not apply: the data-free low-rank route, or with ``data_assisted`` the route of
+    ``gram: activations | mix`` (:mod:`mergekit_bmm.core.low_rank_data`). The factors are checked for
+    NaN/Inf here, since the route reads them and not the dense copies mergekit made from them."""
+    if not _applies(settings, data_assisted) or transpose:  # Conv1D layouts: full route
         return None
     whole = name
     if piece is not None:  # a fused weight's part: its rows of B (expert stacks: full route)
@@ -80,6 +47,18 @@ def _route_updates(
     elif "[" in name:
         return None
     return adapter_factors(group, tasks, name, whole, piece)
+
+
+def _applies(settings: BMMSettings, data_assisted: bool) -> bool:
+    """Data-free: unpooled Grams; data-assisted: not ``lambda: auto`` (its evidence reads dense
+    equations) and no mix whose data-free part pools other weights; both: plain task weights."""
+    if not settings.low_rank or settings.task_balance != "none":
+        return False
+    if not data_assisted:
+        return settings.gram == "data_free" and settings.gram_sharing == "weight"
+    if settings.gram not in ("activations", "mix") or settings.lambda_auto:
+        return False
+    return settings.gram == "activations" or settings.gram_sharing == "weight"
 
 
 def adapter_factors(
