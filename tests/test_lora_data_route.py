@@ -183,3 +183,24 @@ def test_rows_kept_in_the_adapters_input_span_solve_the_restricted_problem(lora_
     delta = merged[name].double() - pre[name].double()
     assert relative_error(delta, expected) < 1e-6
     assert relative_error(delta @ q @ q.T, delta) < 1e-6  # rows in the adapters' span (float32 storage)
+
+
+def test_the_adapter_out_holds_a_data_assisted_merge_exactly(lora_stats, tmp_path):
+    """``mergekit-bmm-lora`` on a data-assisted recipe: the update lies in the span of the adapters'
+    ``B`` (not of their ``A``), and the written adapter of rank Σ r_t reproduces the merge."""
+    from safetensors.torch import load_file
+
+    from mergekit_bmm.adapters.export import export_adapter
+    from mergekit_bmm.plugin.run import merge_options
+
+    base, adapters, stats = lora_stats
+    text = _recipe(base, adapters, stats, gram="activations", compute_dtype="float64")
+    merge_recipe_text(text, tmp_path / "merged")
+    report = export_adapter(text, tmp_path / "adapter", merge_options(None, quiet=True), progress=False)
+    assert report.modules and all(m.exact and m.rank == 2 + 3 + 4 for m in report.modules)
+    merged, pre = load_weights(tmp_path / "merged"), load_weights(base)
+    factors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    for module in report.modules:
+        key = f"base_model.model.{module.name.removesuffix('.weight')}"
+        written = factors[f"{key}.lora_B.weight"].double() @ factors[f"{key}.lora_A.weight"].double()
+        assert relative_error(written, merged[module.name].double() - pre[module.name].double()) < 1e-5

@@ -4,7 +4,9 @@ Every expert of the recipe is ``BASE+ADAPTER`` on the recipe's base, so each mer
 ``ΔW = W − W_pre`` lies in the span of the adapters' ``A`` factors for that module whenever the anchor
 does (Task Arithmetic of the adapters, the base): with ``Q`` an orthonormal basis of the stacked
 ``A`` (``k = Σ r_t`` columns), ``ΔW = (ΔW Q) Qᵀ`` exactly, an adapter of rank ``k`` with
-``lora_B = ΔW Q`` and ``lora_A = Qᵀ`` (scale 1). When the anchor reaches outside that span, or
+``lora_B = ΔW Q`` and ``lora_A = Qᵀ`` (scale 1). A data-assisted merge's update lies in the span of the
+``B`` factors instead (``ΔW = P (Pᵀ ΔW)``, ``P`` their orthonormal basis): exact at rank ``k`` too.
+When the anchor reaches outside that span, or
 ``rank`` asks for fewer, the adapter is the best fit of that rank (a truncated SVD of ``ΔW``) and its
 relative error is reported per module. The merge itself runs in memory through mergekit (any
 method: ``bmm`` or one of its anchors); nothing but the adapter is written.
@@ -82,19 +84,34 @@ def span_basis(adapters: Sequence[Adapter], weight_name: str) -> torch.Tensor | 
     return q
 
 
+def output_basis(adapters: Sequence[Adapter], weight_name: str) -> torch.Tensor | None:
+    """An orthonormal basis (``d_out × k``) of the adapters' ``B`` columns: a data-assisted merge's
+    update ``B·[(Z + λ'c⊙A)(G + λ'I)⁻¹]`` lies there (its rows do not lie in the ``A`` span)."""
+    lefts = [update[0] for a in adapters if (update := a.update(weight_name)) is not None]
+    if not lefts:
+        return None
+    q, _ = torch.linalg.qr(torch.cat(lefts, dim=1).to(torch.float64))
+    return q
+
+
 def factors_of(
-    delta: torch.Tensor, basis: torch.Tensor, rank: int | None
+    delta: torch.Tensor, basis: torch.Tensor, rank: int | None, outputs: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
     """``(B, A, error, exact)`` with ``B A ≈ ΔW`` (float64) and ``error = ‖ΔW − B A‖ / ‖ΔW‖``: exact
-    through the span when it holds ``ΔW`` and no smaller ``rank`` is asked, else the truncated SVD of
-    ``ΔW`` (the best fit of that rank, its error from the dropped singular values). One residual
-    product per module: a second one was nearly half the fit's time (docs/performance.md)."""
+    through the adapters' input span (``basis``) or output span (``outputs``) when one holds ``ΔW`` and
+    no smaller ``rank`` is asked, else the truncated SVD of ``ΔW`` (the best fit of that rank, its error
+    from the dropped singular values). One residual product per span tried."""
     size = max(float(delta.norm()), 1e-300)
     left = delta @ basis
     outside = float((delta - left @ basis.T).norm()) / size
     k = basis.shape[1]
     if outside <= EXACT and (rank is None or rank >= k):
         return left, basis.T.contiguous(), outside, True
+    if outputs is not None and (rank is None or rank >= outputs.shape[1]):
+        right = outputs.T @ delta
+        outside = float((delta - outputs @ right).norm()) / size
+        if outside <= EXACT:
+            return outputs.contiguous(), right.contiguous(), outside, True
     target = min(rank or k, min(delta.shape))
     u, s, vh = torch.linalg.svd(delta, full_matrices=False)
     error = float(s[target:].norm()) / size
@@ -145,7 +162,8 @@ def export_adapter(
             if float(delta.norm()) > UNCHANGED * max(float(pre.norm()), 1e-30):
                 moved.append(name)
             return
-        left, right, error, exact = factors_of(delta, span_basis(adapters, name), rank)
+        bases = (span_basis(adapters, name), rank, output_basis(adapters, name))
+        left, right, error, exact = factors_of(delta, *bases)
         key = f"base_model.model.{module}"
         tensors[f"{key}.lora_A.weight"] = right.to(torch.float32).contiguous()
         tensors[f"{key}.lora_B.weight"] = left.to(torch.float32).contiguous()
