@@ -129,3 +129,20 @@ def test_gpt2s_fused_c_attn_is_solved_part_by_part_as_a_float64_reference(tmp_pa
     for sharing, reference in expected.items():
         merged = _merge(family.base, list(family.experts), tmp_path / sharing, sharing)[name].double().T
         assert _relative(merged, reference) < 1e-6, sharing
+
+
+def test_the_weights_that_read_one_input_load_each_other_once(tmp_path, monkeypatch):
+    """``input``: the pooled Grams of q, k and v (gate and up) are formed once per layer, and the merge
+    equals one formed weight by weight."""
+    from mergekit_bmm.examples.architectures import make_architecture_family
+    from mergekit_bmm.merge_methods import bmm_equations
+
+    family = make_architecture_family(tmp_path / "llama", "llama", n_experts=2)
+    loads = []
+    original = bmm_equations.sibling_task_vectors
+    monkeypatch.setattr(bmm_equations, "sibling_task_vectors", lambda *a: loads.append(a) or original(*a))
+    shared = _merge(family.base, list(family.experts), tmp_path / "shared", "input")
+    assert len(loads) == 2 * 2  # per layer: attention's input, the MLP's input
+    monkeypatch.setattr(bmm_equations, "_POOLED", type("Forgetful", (dict,), {"get": lambda *a: None})())
+    alone = _merge(family.base, list(family.experts), tmp_path / "alone", "input")
+    assert all(_relative(shared[name], alone[name]) < 1e-12 or alone[name].abs().max() == 0 for name in alone)

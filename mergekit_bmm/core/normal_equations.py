@@ -126,11 +126,20 @@ def pooled_data_free_equations(
     ``G = Σ w_t G_t`` and ``C = Σ w_t U_t G_t``. A fused weight (q, k and v stacked) gets these Grams
     by itself, so split and fused layouts solve the same problem."""
     vectors = _stack(task_vectors, dtype)
+    grams, rows = pooled_grams(vectors, siblings, dtype)
+    return pooled_equations(vectors, grams, rows, dtype, balance)
+
+
+def pooled_grams(
+    vectors: Sequence[torch.Tensor], siblings: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype
+) -> tuple[list[torch.Tensor], int]:
+    """Per task ``Σ_p U_t^pᵀU_t^p`` over a weight and its ``siblings``, and the rows they hold together:
+    the same for every weight that reads the input (:func:`pooled_equations` serves each of them)."""
     if len(siblings) != len(vectors):
         raise TensorInputError(f"got siblings for {len(siblings)} tasks and {len(vectors)} task vectors")
     grams = []
-    rows = vectors[0].shape[0]
     for vector, parts in zip(vectors, siblings):
+        vector = vector.to(dtype)
         gram = vector.T @ vector
         for part in parts:
             part = part.to(device=vector.device, dtype=dtype)
@@ -141,7 +150,18 @@ def pooled_data_free_equations(
                 )
             gram.add_(part.T @ part)
         grams.append(gram)
-    rows += sum(part.shape[0] for part in siblings[0])
+    return grams, vectors[0].shape[0] + sum(part.shape[0] for part in siblings[0])
+
+
+def pooled_equations(
+    task_vectors: Sequence[torch.Tensor],
+    grams: Sequence[torch.Tensor],
+    rows: int,
+    dtype: torch.dtype = torch.float32,
+    balance: str = "none",
+) -> NormalEquations:
+    """``G = Σ w_t G_t`` and ``C = Σ w_t U_t G_t`` from pooled Grams holding ``rows`` rows per task."""
+    vectors = _stack(task_vectors, dtype)
     equations = activation_equations(vectors, grams, dtype, balance)
     # Data-free observations: each expert's rows of every weight that reads the input.
     return NormalEquations(equations.gram, equations.cross, equations.energy, float(len(vectors) * rows))
