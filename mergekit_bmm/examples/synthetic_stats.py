@@ -26,9 +26,13 @@ def random_gram(size: int, generator: torch.Generator, tokens: int | None = None
 
 
 def write_stats(
-    stats_dir: Path, experts: Sequence[str | Path], grams: Mapping[str, Sequence[torch.Tensor]]
+    stats_dir: Path,
+    experts: Sequence[str | Path],
+    grams: Mapping[str, Sequence[torch.Tensor]],
+    modules: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write ``grams`` (weight name → one Gram per expert, in order) as a statistics directory."""
+    """Write ``grams`` (stored key → one Gram per expert, in order) as a statistics directory;
+    ``modules`` maps each weight name to its key (default: each key serves the weight of its name)."""
     stats_dir = Path(stats_dir)
     tasks = []
     for index, expert in enumerate(experts):
@@ -47,7 +51,8 @@ def write_stats(
                 passes=1,
             )
         )
-    manifest = StatsManifest(package_version=__version__, tasks=tasks, modules={name: name for name in grams})
+    modules = dict(modules) if modules is not None else {name: name for name in grams}
+    manifest = StatsManifest(package_version=__version__, tasks=tasks, modules=modules)
     write_manifest(stats_dir, manifest)
     return stats_dir
 

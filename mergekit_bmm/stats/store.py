@@ -39,7 +39,9 @@ through huggingface_hub's cache (:mod:`mergekit_bmm.stats.hub`).
 from __future__ import annotations
 
 import re
-from collections.abc import Hashable, Mapping, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -311,7 +313,43 @@ def read_task_gram(
     where = f"statistics in {label or directory}, task {task.name!r}"
     if part is None:
         raise StatisticsError(f"{where} lack the Gram {key}; re-run mergekit-bmm-stats")
-    return gram_storage.read_part_gram(directory / GRAM_DIR / task.file / part, key, where)
+    path = directory / GRAM_DIR / task.file / part
+    return _recent_grams.get(path, key, lambda: gram_storage.read_part_gram(path, key, where))
+
+
+class _RecentGrams:
+    """The last Grams read, up to a byte budget: the weights that read one input (q, k, v; gate, up)
+    are merged one after the other and share its stored Gram, which is then read and unpacked once.
+    Keyed by the part file (with its size and time) and the key; each caller gets its own copy."""
+
+    BUDGET = 512 * 2**20
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, path: Path, key: str, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        try:
+            status = path.stat()
+            stamp = (str(path), status.st_size, status.st_mtime_ns, key)
+        except OSError:
+            return read()  # the reader names the missing file
+        with self._lock:
+            found = self._kept.get(stamp)
+            if found is not None:
+                self._kept.move_to_end(stamp)
+                return found.clone()
+        gram = read()
+        size = gram.numel() * gram.element_size()
+        with self._lock:
+            if size <= self.BUDGET:
+                self._kept[stamp] = gram
+                while sum(g.numel() * g.element_size() for g in self._kept.values()) > self.BUDGET:
+                    self._kept.popitem(last=False)
+        return gram.clone()
+
+
+_recent_grams = _RecentGrams()
 
 
 def read_task_grams(stats_dir: str | Path, task_name: str) -> dict[str, torch.Tensor]:

@@ -88,21 +88,27 @@ def make_family(
 
 
 def lora_stats(root: Path, base: Path, adapters: list[Path], seed: int = 0) -> Path:
-    """Made-up activation Grams (rank 256) for every body weight, for each ``BASE+ADAPTER`` expert."""
+    """Made-up activation Grams (rank 256) for each ``BASE+ADAPTER`` expert, one per input as
+    ``mergekit-bmm-stats`` stores them: q, k and v share one, gate and up one."""
     from mergekit_bmm.core.module_map import classify
     from mergekit_bmm.examples.synthetic_stats import random_gram, write_stats
     from mergekit_bmm.io.checkpoint import load_state_dict
 
-    folder = root / f"stats-{base.parent.name}"
+    folder = root / f"stats-{base.parent.name}-shared"
     if (folder / "manifest.json").is_file():
         return folder
     generator = torch.Generator().manual_seed(seed)
-    grams = {
-        name: [random_gram(tensor.shape[1], generator, tokens=256) for _ in adapters]
-        for name, tensor in load_state_dict(base).items()
-        if tensor.ndim == 2 and classify(name, "llama") is not None
-    }
-    return write_stats(folder, [f"{base}+{a}" for a in adapters], grams)
+    shared = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+    modules, grams = {}, {}
+    for name, tensor in load_state_dict(base).items():
+        if tensor.ndim != 2 or classify(name, "llama") is None:
+            continue
+        projection = name.split(".")[-2]
+        key = name.replace(projection, shared.get(projection, projection))
+        modules[name] = key
+        if key not in grams:
+            grams[key] = [random_gram(tensor.shape[1], generator, tokens=256) for _ in adapters]
+    return write_stats(folder, [f"{base}+{a}" for a in adapters], grams, modules)
 
 
 def recipe(base: Path, adapters: list[Path], method: str, **parameters) -> str:
