@@ -222,7 +222,7 @@ class SearchSpec(_Strict):
         description="one more merge per anchor and mode at `lambda: auto` (λ per weight from the evidence, "
         "s 1), paired on test with the anchor and the search; the chosen λ are kept per weight",
     )
-    default_candidates: dict[Literal["data_free", "data_assisted"], dict[str, float | str]] = Field(
+    default_candidates: dict[Literal["data_free", "data_assisted", "mix"], dict[str, float | str]] = Field(
         default_factory=dict,
         description="per mode, bmm parameters proposed as its no-search default (e.g. {scale: 1.6}, chosen "
         "on validation from the sweeps): one more merge per anchor, paired on test like BMM at its defaults",

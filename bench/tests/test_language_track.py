@@ -210,6 +210,13 @@ def test_lora_experts_peft_merges_and_their_intervals(mc_task, tiny_llama, tmp_p
     recipe = bmm_template(tiny_llama.base, [expert], None, "mix", stats)
     merge_recipe_text(yaml.safe_dump(recipe), tmp_path / "mix")
     assert read_record(tmp_path / "mix").low_rank  # solved from the adapter's factors
+    scores = ties["scores"]
+    searched = {"setting": "mix", "budget": 2, "best_values": {}, "scores": scores, "model_id": "m"}
+    proposed = {"model_id": "c", "parameters": {"low_rank_rows": "adapters"}, "scores": scores}
+    anchor = {"scores": scores, "model_id": "a", "bmm_settings": {"mix": {**searched, "candidate": proposed}}}
+    table = lora_markdown({**found, "anchors": {"ties": anchor}}, ["mood_mc"], lambda label, scores: label)
+    assert "ties + BMM (mix, K=2; )" in table
+    assert "BMM (mix) over ties at its defaults with low_rank_rows: adapters" in table
 
 
 def test_the_lora_picture_draws_each_bmm_against_every_other_merge(tmp_path):

@@ -30,6 +30,8 @@ def bmm_models(anchor: str, bmm: dict[str, Any], setting: str = "data_free") -> 
         f"bmm{mode} defaults over {anchor}": bmm["defaults"]["model_id"],
         f"bmm{mode} auto over {anchor}": bmm["auto"]["model_id"],
     }
+    if bmm.get("candidate"):  # a proposed no-search default (e.g. low_rank_rows: adapters)
+        models[f"bmm{mode} candidate over {anchor}"] = bmm["candidate"]["model_id"]
     for objective, entry in (bmm.get("label_free") or {}).items():
         models[f"bmm {objective} over {anchor}"] = entry["model_id"]
     return models

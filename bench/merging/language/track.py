@@ -294,6 +294,13 @@ def _bmm_over_anchor(
     automatic = {**template, "parameters": {**template["parameters"], "lambda": "auto"}}
     chosen: dict[str, Any] = {}
     auto = merge_and_score_lm(automatic, jobs, include, cache, batch, limit, work, {}, chosen)
+    # a proposed no-search default for this setting (search.default_candidates): one merge
+    proposed = search_spec.default_candidates.get(setting)
+    candidate = None
+    if proposed:
+        recipe = {**template, "parameters": {**template["parameters"], **proposed}}
+        found = merge_and_score_lm(recipe, jobs, include, cache, batch, limit, work, {})
+        candidate = {"model_id": recipe_key(recipe), "parameters": dict(proposed), "scores": summarize(found)}
     shutil.rmtree(work, ignore_errors=True)
     label_free = (
         label_free_searches(config, cache_dir, anchor, template, tasks, experts, include, jobs, search_spec)
@@ -305,6 +312,7 @@ def _bmm_over_anchor(
         "anchor": anchor,
         "model_id": model_id,
         "setting": setting,
+        **({"candidate": candidate} if candidate else {}),
         "budget": outcome["trials"],
         "best_values": outcome["best_values"],
         "search_validation": outcome["best_validation"],

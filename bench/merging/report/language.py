@@ -113,6 +113,11 @@ def _one_merge_rows(row, anchor: str, bmm: dict) -> list[str]:
     """BMM over ``anchor`` with no labels: at its defaults, at ``lambda: auto`` (with the median λ
     the evidence chose), and searched on agreement with the experts (or entropy)."""
     lines = []
+    if bmm.get("candidate"):
+        proposed = ", ".join(f"{k}: {v}" for k, v in bmm["candidate"]["parameters"].items())
+        lines.append(
+            row(f"BMM{_mode(bmm)} over {anchor} at its defaults with {proposed}", bmm["candidate"]["scores"])
+        )
     if "defaults" in bmm:
         lines.append(row(f"BMM{_mode(bmm)} over {anchor} at its defaults", bmm["defaults"]["scores"]))
     if "auto" in bmm:
