@@ -1,6 +1,6 @@
 """The GPU check: bmm on an accelerator, measured, in one command (6.5 minutes on an H200).
 
-Five parts (the first four by default), each printed as a table and kept in ``--out`` (JSON):
+Six parts (the first four by default), each printed as a table and kept in ``--out`` (JSON):
 
 1. **accuracy** — bmm data-free, activations and mix, over ACE, and with ``task_balance:
    frobenius`` in the mix, merged on ``--device`` (float32 compute)
@@ -18,6 +18,8 @@ Five parts (the first four by default), each printed as a table and kept in ``--
 5. **search3b** — part 3 on a Llama-3.2-3B-shaped family (hidden 3072, 28 layers, MLP 8192,
    24 heads / 8 KV heads, T = 3): the start-up (model load and factor-cache fill) and one
    resident trial's merge and evaluation, against the paper's ≈ 8 s of closed form per trial.
+6. **moe** — per-expert activation statistics at Mixtral's shape (``bench/moe_statistics.py``):
+   time against one forward, peak device memory, passes, size on disk.
 
     python bench/gpu_check.py --device cuda --out bench/results/gpu-check.json     # on a GPU
     python bench/gpu_check.py --device cpu --size small                            # the CPU run (tested)
@@ -42,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 import torch  # noqa: E402
 
+from bench import moe_statistics  # noqa: E402
 from bench.common import ensure_llama_family, gemm_floor, solved_shapes  # noqa: E402
 from bench.perf.merges import DEFAULT_CACHE, closed_form_floor, merge_here, recipe, run_child  # noqa: E402
 from mergekit_bmm.io.atomic import atomic_write_text  # noqa: E402
@@ -67,8 +70,8 @@ CASES = (  # name, anchor, gram, extra bmm parameters: the three Grams, the ACE 
     ("ace anchor", "ace", "data_free", {}),
     ("balance mix", "task_arithmetic", "mix", {"epsilon": 0.5, "task_balance": "frobenius"}),
 )
-PARTS = ("accuracy", "speed", "search", "billion", "search3b")
-DEFAULT_PARTS = PARTS[:4]  # search3b generates a 23 GB family: asked for by name
+PARTS = ("accuracy", "speed", "search", "billion", "search3b", "moe")
+DEFAULT_PARTS = PARTS[:4]  # search3b (a 23 GB family) and moe (3 GB) are asked for by name
 
 
 def family(models: Path, shape: tuple[int, int, int, int, int]) -> dict:
@@ -237,7 +240,7 @@ def report(result: dict) -> str:
     """The tables of the parts that ran; a part that failed or did not run says so in one line."""
     lines = [f"GPU check on {result['machine']}, device {result['device']}, sizes {result['size']}"]
     tables = {"accuracy": _accuracy_table, "speed": _speed_table, "search": _search_table,
-              "billion": _billion_table, "search3b": _search_table}  # fmt: skip
+              "billion": _billion_table, "search3b": _search_table, "moe": moe_statistics.table}  # fmt: skip
     for part in PARTS:
         found = result.get(part)
         if found is None:
@@ -338,6 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
             "search": lambda: search(args.models, scratch, args.device, size, args.budget),
             "search3b": lambda: search(args.models, scratch, args.device, size, args.budget, "3b"),
             "billion": lambda: billion(args.models, scratch, args.device, size),
+            "moe": lambda: moe_statistics.measure(scratch, size, args.device),
         }
         for part in parts:
             print(f"== {part}", flush=True)

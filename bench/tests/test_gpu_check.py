@@ -78,3 +78,8 @@ def test_an_unknown_part_is_refused_in_one_line(capsys):
     with pytest.raises(SystemExit):
         main(["--parts", "accuracy,speeed"])
     assert "unknown part(s) speeed" in capsys.readouterr().err
+
+
+def test_gpu_check_moe_statistics_on_the_cpu_with_small_shapes(models, tmp_path):
+    moe = _check(models, tmp_path / "check.json", "moe")
+    assert moe["expert_slices"] == 2 * 2 * 4 and moe["passes"] >= 1 and moe["collect_seconds"] > 0
