@@ -333,8 +333,13 @@ def _intervals(models: dict[str, str], expert_ids: dict[str, str], tasks, cache,
     }
     pairs = [("experts", "pretrained"), ("experts", "task_arithmetic")]
     pairs += [(name, name.removeprefix("bmm over ")) for name in models if name.startswith("bmm over ")]
-    for prefix in ("bmm defaults over ", "bmm auto over "):  # one merge against its anchor
+    for prefix in ("bmm defaults over ", "bmm auto over ", "bmm candidate over "):  # one merge vs its anchor
         pairs += [(name, name.removeprefix(prefix)) for name in models if name.startswith(prefix)]
+    pairs += [  # a proposed default (e.g. gram_sharing: input) against today's defaults
+        (name, "bmm defaults over " + name.removeprefix("bmm candidate over "))
+        for name in models
+        if name.startswith("bmm candidate over ")
+    ]
     pairs += [  # λ from the evidence against the search it would replace
         (name, "bmm over " + name.removeprefix("bmm auto over "))
         for name in models
