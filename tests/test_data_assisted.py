@@ -360,3 +360,24 @@ def test_refusal_through_stock_mergekit_yaml_is_one_line(tiny_llama, llama_stats
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"mergekit-bmm: error: statistics in {stats} for task 'expert-b' were made from")
+
+
+def test_weights_reading_one_input_share_one_factorisation(tiny_llama, llama_stats, tmp_path, monkeypatch):
+    """``gram: activations``: q, k and v (gate and up) have one ``G + λ'I``, factored once for them; the
+    merge equals one that factors every weight itself."""
+    from mergekit_bmm.core import closed_form as cf
+    from mergekit_bmm.merge_methods import shared_factor
+
+    config = recipe(tiny_llama, "activations", llama_stats)
+    monkeypatch.setattr(shared_factor, "_KEEP", 0)  # nothing kept: every weight factors its own
+    alone = merge(config, tmp_path / "alone")
+    monkeypatch.undo()
+    factored = []
+    original = cf.ridge_factor
+    monkeypatch.setattr(cf, "ridge_factor", lambda *a: factored.append(a) or original(*a))
+    shared_factor._FACTORS.clear()
+    together = merge(config, tmp_path / "together")
+    modules = json.loads((llama_stats / "manifest.json").read_text())["modules"]
+    inputs = {modules[name] for name in together if name in modules}
+    assert len(factored) == len(inputs) < len([name for name in together if name in modules])
+    assert all(torch.equal(alone[name], together[name]) for name in alone)

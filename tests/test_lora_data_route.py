@@ -147,14 +147,14 @@ def test_q_k_and_v_share_one_factorisation_of_their_input(lora_stats, tmp_path, 
     """``gram: activations``: the weights that read one input have one ``G + λ'I``; it is factored once
     for them (q_proj and v_proj here) and the merge is unchanged."""
     from mergekit_bmm.core import closed_form as cf
-    from mergekit_bmm.merge_methods import lora_data_route
+    from mergekit_bmm.merge_methods import shared_factor
 
     base, adapters, stats = lora_stats
     merge_recipe_text(_recipe(base, adapters, stats, gram="activations"), tmp_path / "first")
     factored = []
     original = cf.ridge_factor
     monkeypatch.setattr(cf, "ridge_factor", lambda *a: factored.append(a) or original(*a))
-    lora_data_route._FACTORS.clear()
+    shared_factor._FACTORS.clear()
     merge_recipe_text(_recipe(base, adapters, stats, gram="activations"), tmp_path / "again")
     solved = len(read_record(tmp_path / "again").low_rank)  # q, v, down in 2 layers
     assert solved == 6 and len(factored) == 4  # q and v share theirs: 2 layers × (attention input, down)

@@ -56,11 +56,7 @@ from mergekit_bmm.merge_methods.factor_cache import key as cache_key
 from mergekit_bmm.merge_methods.factor_cache.fill import fill_exact_factors, fill_factors, thin_rank
 from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
 from mergekit_bmm.merge_methods.finite import check_finite, checked_base, checked_output
-from mergekit_bmm.merge_methods.lora_data_route import (
-    factored_equations,
-    shared_input_key,
-    solve_factored,
-)
+from mergekit_bmm.merge_methods.lora_data_route import factored_equations, solve_factored
 from mergekit_bmm.merge_methods.lora_route import keeps_base, lora_updates, span_anchor
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
 from mergekit_bmm.merge_methods.pieces import (
@@ -68,10 +64,11 @@ from mergekit_bmm.merge_methods.pieces import (
     Rows,
     assemble,
     fused_parts,
+    no_routed_token,
     piece_group,
     pieces_of,
-    unreached,
 )
+from mergekit_bmm.merge_methods.shared_factor import shared_factor, shared_input_key
 from mergekit_bmm.merge_methods.shared_inputs import sibling_names
 
 LOG = logging.getLogger("mergekit_bmm")
@@ -93,12 +90,6 @@ def stored_in_out(weight_layout: str, info: ModuleInfo, name: str, model: Any) -
             "under the recipe's parameters"
         )
     return info.stored_in_out
-
-
-def no_routed_token(settings: BMMSettings, name: str, tasks: Sequence[TensorEntry]) -> bool:
-    """A data-assisted solve of a mixture-of-experts expert that no calibration token reached
-    (it keeps the anchor: a zero Gram has nothing to solve with)."""
-    return settings.gram != "data_free" and unreached(settings.stats, name, [t.id for t in tasks])
 
 
 class BMMMerge(GroupMergeMethod):
@@ -349,9 +340,16 @@ class _Solve:
         equations, prior, base_c = self._problem()
         if settings.lambda_auto:
             return self._direct_auto(equations, prior, base_c)
-        merged = closed_form.merge_matrix(equations, prior, settings.lam, settings.lambda_mode)
+        merged = self._shared_solve(equations, prior)
         ridge = lambda: closed_form.effective_ridge(settings.lam, equations, settings.lambda_mode)  # noqa: E731
         return self._output(merged, base_c, ridge, settings.compute_dtype, gram=equations.gram)
+
+    def _shared_solve(self, equations: normal_equations.NormalEquations, prior: torch.Tensor) -> torch.Tensor:
+        """The closed form; q/k/v (gate/up) under ``gram: activations`` share one factorisation."""
+        settings, key = self.settings, shared_input_key(self.settings, self.name, self.tasks)
+        ridge = closed_form.effective_ridge(settings.lam, equations, settings.lambda_mode)
+        factor = shared_factor(key, equations.gram, ridge) if key is not None else None
+        return factor.solve(equations.cross, prior) if factor else closed_form.solve(equations, prior, ridge)
 
     def _direct_auto(
         self, equations: normal_equations.NormalEquations, prior: torch.Tensor, base_c: torch.Tensor

@@ -8,8 +8,6 @@ from the dense copies mergekit made of the adapters. With an anchor that sums th
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -27,6 +25,7 @@ from mergekit_bmm.core.low_rank_data import (
 from mergekit_bmm.core.normal_equations import NormalEquations
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
 from mergekit_bmm.merge_methods.pieces import statistics_name
+from mergekit_bmm.merge_methods.shared_factor import shared_factor
 
 
 def factored_equations(
@@ -67,7 +66,7 @@ def solve_factored(
         in_span = equations.in_span(updates, span.coefficients) if span is not None else None
         merged = solve_in_input_span(equations, updates, ridge, in_span, None if span else dense_prior())
         return merged, ridge
-    factor = _shared_factor(shared_input, equations.gram, ridge)
+    factor = shared_factor(shared_input, equations.gram, ridge)
     if span is not None:  # U = B · [(Z + λ' c⊙A)(G + λ'I)⁻¹]: k rows
         prior = equations.in_span(updates, span.coefficients)
         solved = factor.solve(rows.cross, prior) if factor else closed_form.solve(rows, prior, ridge)
@@ -75,41 +74,3 @@ def solve_factored(
     dense = equations.dense()
     prior = dense_prior()
     return (factor.solve(dense.cross, prior) if factor else closed_form.solve(dense, prior, ridge)), ridge
-
-
-_FACTORS: OrderedDict[Hashable, closed_form.RidgeFactor] = OrderedDict()
-_KEEP = 2  # an input's factor serves its q, k and v (gate and up), merged one after the other
-_lock = threading.Lock()
-
-
-def _shared_factor(key: Hashable | None, gram: torch.Tensor, ridge: float) -> closed_form.RidgeFactor | None:
-    """The factor of ``G + λ'I`` for the input ``key`` (computed once, kept for the next weights)."""
-    if key is None:
-        return closed_form.ridge_factor(gram, ridge)
-    # the Gram's content is part of the key: statistics collected again under the same name never
-    # meet a factor of the old ones
-    checksum = (float(gram.sum(dtype=torch.float64)), float(torch.diagonal(gram).sum(dtype=torch.float64)))
-    full = (key, ridge, gram.dtype, str(gram.device), tuple(gram.shape), checksum)
-    with _lock:
-        found = _FACTORS.get(full)
-        if found is not None:
-            _FACTORS.move_to_end(full)
-            return found
-    factor = closed_form.ridge_factor(gram, ridge)
-    if factor is not None:
-        with _lock:
-            _FACTORS[full] = factor
-            while len(_FACTORS) > _KEEP:
-                _FACTORS.popitem(last=False)
-    return factor
-
-
-def shared_input_key(settings: BMMSettings, name: str, tasks: Sequence[TensorEntry]) -> Hashable | None:
-    """What identifies ``G`` across the weights that read one input: the statistics, the stored
-    Gram's key and the experts (``gram: activations`` only; mix adds each weight's own rows)."""
-    if settings.gram != "activations":
-        return None
-    from mergekit_bmm.stats.store import load_manifest
-
-    key = load_manifest(settings.stats).stored_key(statistics_name(name))
-    return None if key is None else (str(settings.stats), key, tuple(str(t.id) for t in tasks))

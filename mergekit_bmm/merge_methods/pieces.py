@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from mergekit.merge_methods.base import TensorEntry, TensorGroup
 
+from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
+
 _EXPERT = re.compile(r"\[(\d+)(?::\w+)?\]$")
 Rows = slice | torch.Tensor  # rows of the (out, in) orientation: a range, or indices where parts interleave
 
@@ -185,3 +187,9 @@ def unreached(stats: str, name: str, models: Sequence[Hashable]) -> bool:
     if key is None or not key.endswith("]"):
         return False
     return sum(activation_tokens_for(stats, models, name)) == 0
+
+
+def no_routed_token(settings: BMMSettings, name: str, tasks: Sequence[TensorEntry]) -> bool:
+    """A data-assisted solve of a mixture-of-experts expert that no calibration token reached
+    (it keeps the anchor: a zero Gram has nothing to solve with)."""
+    return settings.gram != "data_free" and unreached(settings.stats, name, [t.id for t in tasks])
