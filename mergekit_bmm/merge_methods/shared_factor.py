@@ -52,5 +52,10 @@ def shared_input_key(settings: BMMSettings, name: str, tasks: Sequence[TensorEnt
         return None
     from mergekit_bmm.stats.store import load_manifest
 
-    key = load_manifest(settings.stats).stored_key(statistics_name(name))
-    return None if key is None else (str(settings.stats), key, tuple(str(t.id) for t in tasks))
+    manifest = load_manifest(settings.stats)
+    key = manifest.stored_key(statistics_name(name))
+    # only an input that several weights read is worth keeping a factor for (not o_proj, down_proj,
+    # an expert's slice): a kept factor is d_in² numbers
+    if key is None or key.endswith("]") or list(manifest.modules.values()).count(key) < 2:
+        return None
+    return (str(settings.stats), key, tuple(str(t.id) for t in tasks))
