@@ -210,6 +210,14 @@ def test_lora_experts_peft_merges_and_their_intervals(mc_task, tiny_llama, tmp_p
     recipe = bmm_template(tiny_llama.base, [expert], None, "mix", stats)
     merge_recipe_text(yaml.safe_dump(recipe), tmp_path / "mix")
     assert read_record(tmp_path / "mix").low_rank  # solved from the adapter's factors
+    from bench.merging.anchor_tuning import anchor_recipe
+    from bench.merging.config import AnchorSpec
+
+    regmean = AnchorSpec(name="regmean", method="regmean", grid={"off_diagonal_scale": [0.5]})
+    merge_recipe_text(
+        yaml.safe_dump(anchor_recipe(regmean, tiny_llama.base, [expert], 0.5, stats)), tmp_path / "rm"
+    )
+    assert (tmp_path / "rm" / "model.safetensors").is_file()  # RegMean over the adapter, from its statistics
     scores = ties["scores"]
     searched = {"setting": "mix", "budget": 2, "best_values": {}, "scores": scores, "model_id": "m"}
     proposed = {"model_id": "c", "parameters": {"low_rank_rows": "adapters"}, "scores": scores}

@@ -176,12 +176,6 @@ def tuned_anchor(
     ``stats`` serve the data-assisted settings and a ``regmean`` anchor."""
     spec = config.language
     search = search or spec.search
-    if anchor_spec.method == "regmean":  # RegMean reads the experts' statistics
-        if stats is None:
-            raise ValueError(f"anchor {anchor_spec.name}: regmean needs the experts' statistics")
-        anchor_spec = anchor_spec.model_copy(
-            update={"parameters": {**anchor_spec.parameters, "stats": str(stats)}}
-        )
     cache = ScoreCache(cache_dir)
     limit, batch = spec.eval_limit, spec.eval_batch_size
     work = cache_dir / "language" / "merges" / "work"
@@ -200,7 +194,7 @@ def tuned_anchor(
         anchor_spec,
         model_dir,
         experts,
-        None,
+        stats,  # RegMean reads the experts' statistics
         merge_and_score,
         [(t, "validation") for t in tasks],
         cache_dir / "language",
