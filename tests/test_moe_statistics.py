@@ -237,3 +237,24 @@ def test_sampling_draws_every_expert_of_a_stack(moe, tmp_path):
         assert relative_error(first[stack][e], second[stack][e]) > 1e-6
     untouched = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(first[untouched], map_weights[untouched])
+
+
+def test_statistics_without_per_expert_grams_say_to_collect_them_again(moe, tmp_path):
+    """Statistics collected before per-expert Grams existed (no expert slices in the manifest): one line."""
+    import shutil
+
+    from mergekit_bmm.errors import StatisticsError
+
+    family, stats, _ = moe
+    old = tmp_path / "stats"
+    shutil.copytree(stats, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["modules"] = {k: v for k, v in manifest["modules"].items() if "experts" not in k}
+    for task in manifest["tasks"]:
+        task.pop("routed")
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    config = moe_recipe(family, "bmm", old, gram="activations")
+    with pytest.raises(
+        StatisticsError, match="before mergekit-bmm-stats recorded each expert's routed tokens"
+    ):
+        merge(config, tmp_path / "out")

@@ -263,6 +263,12 @@ def activation_grams_for(
     directory = stats_directory(str(stats_dir))
     manifest = load_manifest(directory)
     key = manifest.stored_key(weight_name)
+    if key is None and weight_name.endswith("]"):
+        raise StatisticsError(
+            f"statistics in {stats_dir} have no Gram for the mixture-of-experts expert {weight_name}: they "
+            "were collected before mergekit-bmm-stats recorded each expert's routed tokens (or for another "
+            "architecture) — re-run mergekit-bmm-stats"
+        )
     if key is None:
         raise StatisticsError(
             f"statistics in {stats_dir} have no Gram for {weight_name}; they were collected for a "
