@@ -273,11 +273,14 @@ class _Solve:
         """The experts' LoRA factors for this weight, or None for the full route (:mod:`.lora_route`)."""
         return lora_updates(self.settings, self.group, self.tasks, self.name, self.transpose, self.piece)
 
+    def _data_route_updates(self) -> list[LowRankUpdate] | None:
+        args = (self.settings, self.group, self.tasks, self.name, self.transpose, self.piece)
+        return lora_updates(*args, data_assisted=True)
+
     def low_rank_data(self) -> tuple[list[LowRankUpdate], FactoredEquations | None] | None:
         """The data-assisted route over LoRA experts (:mod:`.lora_data_route`): the factors and the
         factored equations (None when no adapter touches the weight), or None for the full route."""
-        args = (self.settings, self.group, self.tasks, self.name, self.transpose, self.piece)
-        updates = lora_updates(*args, data_assisted=True)
+        updates = self._data_route_updates()
         if not updates:
             return None if updates is None else ([], None)
         d_in = self.orient(self.base).shape[1]
@@ -373,7 +376,7 @@ class _Solve:
 
     def cached(self, cache: FactorCache) -> torch.Tensor:
         settings, dtype = self.settings, self.settings.compute_dtype
-        if settings.low_rank_rows == "adapters" and self.low_rank_data() is not None:
+        if settings.low_rank_rows == "adapters" and self._data_route_updates() is not None:
             return self.direct()  # a k × k solve: cheaper than reading any cache entry
         key = cache_key.factor_key(settings, self.source, self.transpose)
         shape = tuple(self.orient(self.base).shape)

@@ -18,6 +18,7 @@ from mergekit_bmm.merge_methods.tally import Tally
 LOG = logging.getLogger("mergekit_bmm")
 
 _low_rank: Tally[int] = Tally()  # weight name -> the subspace's dimension k = Σ r_t
+_averaged: Tally[str] = Tally()  # regmean: experts no calibration token reached -> their stack
 _silenced = 0  # > 0 inside a search's trials: their merges say nothing the first merge and report did not
 
 
@@ -37,6 +38,7 @@ class MergeFindings:
     kept_at_anchor: dict[str, list[str]] = field(default_factory=dict)
     lambda_auto: dict[str, dict] = field(default_factory=dict)
     low_rank: dict[str, int] = field(default_factory=dict)
+    averaged: list[str] = field(default_factory=list)  # regmean's experts with no routed token
 
 
 def note_low_rank(name: str, rank: int) -> None:
@@ -44,14 +46,22 @@ def note_low_rank(name: str, rank: int) -> None:
     _low_rank.add(name, rank)
 
 
+def note_averaged(name: str) -> None:
+    """regmean had no statistics for the expert ``name`` (no token routed to it) and averaged it."""
+    _averaged.add(name, name)
+
+
 def reset() -> None:
     kept_at_anchor.reset()
     chosen_lambdas.reset()
     _low_rank.reset()
+    _averaged.reset()
 
 
 def drained() -> MergeFindings:
-    return MergeFindings(kept_at_anchor.drained(), chosen_lambdas.drained(), _low_rank.drained())
+    return MergeFindings(
+        kept_at_anchor.drained(), chosen_lambdas.drained(), _low_rank.drained(), list(_averaged.drained())
+    )
 
 
 def log_summary(findings: MergeFindings) -> None:
@@ -67,4 +77,11 @@ def log_summary(findings: MergeFindings) -> None:
             "for the full route)",
             len(findings.low_rank),
             ranks[0] if len(ranks) == 1 else f"{ranks[0]} to {ranks[-1]}",
+        )
+    if findings.averaged:
+        LOG.warning(
+            "regmean: %d mixture-of-experts experts no calibration token was routed to are the experts' "
+            "mean (e.g. %s)",
+            len(findings.averaged),
+            findings.averaged[0],
         )

@@ -13,8 +13,6 @@ of the tokens routed to it. Inside a ``bmm`` recipe with ``anchor_method: regmea
 
 from __future__ import annotations
 
-import logging
-
 from mergekit.merge_methods.base import ParameterScope
 
 from mergekit_bmm.core.low_rank import LowRankUpdate
@@ -22,12 +20,11 @@ from mergekit_bmm.core.low_rank_data import regmean_low_rank
 from mergekit_bmm.core.merge_tools import mean_task_vector
 from mergekit_bmm.core.regmean import DEFAULT_OFF_DIAGONAL_SCALE, regmean_merge
 from mergekit_bmm.errors import ConfigError
+from mergekit_bmm.merge_methods import merge_findings
 from mergekit_bmm.merge_methods.lora_route import adapter_factors
 from mergekit_bmm.merge_methods.parameter_ranges import CheckedParameter
 from mergekit_bmm.merge_methods.pieces import unreached
 from mergekit_bmm.merge_methods.task_vector_method import TaskVectorMethod
-
-LOG = logging.getLogger("mergekit_bmm")
 
 
 class RegMeanMerge(TaskVectorMethod):
@@ -76,7 +73,7 @@ class RegMeanMerge(TaskVectorMethod):
         if unreached(stats_dir, name, [entry.id for entry in tasks]):
             # an expert of a stack no calibration token reached: RegMean's rule for weights it has
             # no statistics for (the experts' mean)
-            LOG.warning("regmean: no calibration token was routed to %s; its experts are averaged", name)
+            merge_findings.note_averaged(name)  # one end-of-merge line, not one per expert
             return mean_task_vector(task_vectors)
         in_features = task_vectors[0].shape[1]
         # the store checks each Gram's size and finiteness against the weight
