@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import click  # noqa: E402
 
-from bench.merging.stages import STAGES  # noqa: E402
+from bench.merging.stages import SKIPPABLE, STAGES  # noqa: E402
 from mergekit_bmm.errors import BMMError, find_bmm_error, one_line  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,6 +47,13 @@ def main() -> None:
     help="Stop after this stage.",
 )
 @click.option(
+    "--skip",
+    "skipped",
+    multiple=True,
+    type=click.Choice(SKIPPABLE),
+    help="Leave out this optional stage (repeatable); the report lists it as skipped.",
+)
+@click.option(
     "--language-only",
     is_flag=True,
     help="Run only the language track (writes language.json; the full report picks it up).",
@@ -58,22 +65,29 @@ def main() -> None:
     help="Train, score, merge and search here (default: the config's `device`, itself cpu by default).",
 )
 def run(
-    config: Path, cache_dir: Path, results_dir: Path, until: str, language_only: bool, device: str | None
+    config: Path,
+    cache_dir: Path,
+    results_dir: Path,
+    until: str,
+    skipped: tuple[str, ...],
+    language_only: bool,
+    device: str | None,
 ) -> None:
     """Build what is missing, reuse what is cached, write the results."""
     for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(variable, "1")
-    from bench.merging.config import load_config
+    from bench.merging.config import load_config, skip_stages
     from bench.merging.pipeline import run_benchmark, run_language_only
 
     try:
         loaded = load_config(config)
         if device is not None:
             loaded = loaded.model_copy(update={"device": device})
+        loaded = skip_stages(loaded, skipped)
         if language_only:
             run_language_only(loaded, cache_dir, results_dir)
         else:
-            run_benchmark(loaded, cache_dir, results_dir, until)
+            run_benchmark(loaded, cache_dir, results_dir, until, skipped)
     except Exception as error:
         ours = error if isinstance(error, BMMError) else find_bmm_error(error)
         if ours is None:

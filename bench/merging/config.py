@@ -432,6 +432,20 @@ def load_config(path: str | Path) -> RunConfig:
         raise ConfigError(f"benchmark config {path}: {where}: {first['msg']}") from error
 
 
+def skip_stages(config: RunConfig, skipped: tuple[str, ...]) -> RunConfig:
+    """The config with the named optional stages switched off (the report lists them as skipped)."""
+    update: dict[str, Any] = {}
+    if "sweeps" in skipped:
+        update["sweeps"] = config.sweeps.model_copy(update={"anchor": None})
+    if "ablation" in skipped:
+        update["ablation"] = config.ablation.model_copy(update={"anchor": None})
+    if "variants" in skipped:
+        update["variants"] = []
+    if "language" in skipped:
+        update["language"] = config.language.model_copy(update={"enabled": False})
+    return config.model_copy(update=update)
+
+
 def limits(config: RunConfig) -> dict[str, int | None]:
     """Fixed subset sizes per split (the same for every model, the search included)."""
     return {"validation": config.evaluation.validation_limit, "test": config.evaluation.test_limit}

@@ -66,9 +66,14 @@ def run_language_only(config: RunConfig, cache_dir: Path, results_dir: Path) -> 
 
 
 def run_benchmark(
-    config: RunConfig, cache_dir: Path, results_dir: Path, until: str = "language"
+    config: RunConfig,
+    cache_dir: Path,
+    results_dir: Path,
+    until: str = "language",
+    skipped: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Run every stage up to ``until``; return the results dictionary (also written)."""
+    """Run every stage up to ``until`` but the ``skipped`` ones (already switched off in ``config``);
+    return the results dictionary (also written)."""
     import torch
 
     lower_priority(config.niceness)
@@ -99,7 +104,7 @@ def run_benchmark(
         with clock.stage("experts"):
             _experts(config, cache_dir, art)
     results = report.base_results(config, art)
-    results["stage_reached"] = until
+    results["stage_reached"], results["stages_skipped"] = until, list(skipped)
     results["machine"] = machine()
     results["timings"]["data_seconds_this_run"] = data_seconds
     if stop >= STAGES.index("scores"):

@@ -13,3 +13,6 @@ STAGES = (
     "variants",
     "language",
 )
+
+# Stages nothing later depends on: a run may leave them out (``--skip``) to reach the searches sooner.
+SKIPPABLE = ("sweeps", "ablation", "variants", "language")

@@ -22,6 +22,7 @@ import torch
 from bench.merging import device
 from bench.merging.cache import read_json, stable_key, write_json
 from bench.merging.config import SweepSpec
+from bench.merging.report.plots import _pyplot, _save, drawn_once
 from mergekit_bmm.core.module_map import GROUP_NAMES
 
 SETTING_LABELS = {"data_free": "data-free", "data_assisted": "data-assisted"}
@@ -160,12 +161,10 @@ def _sweep_settings(spec: SweepSpec, searches: dict[str, dict[str, Any]], cache_
         out["settings"][setting] = result
 
 
+@drawn_once
 def plot_sweeps(sweeps: dict[str, Any], path: Path) -> Path:
     """One panel per λ group and one for s: validation accuracy (top) and ‖U‖/‖U0‖ (bottom)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     panels = [
         g
@@ -207,10 +206,7 @@ def plot_sweeps(sweeps: dict[str, Any], path: Path) -> Path:
         f"{next(v for k, v in reference.items() if 'scale' not in k):g}, s = {reference['block0.scale']:g}",
         fontsize=11,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=110)
 
 
 def run_balance_sweeps(
@@ -278,12 +274,10 @@ def balance_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@drawn_once
 def plot_balance(sweeps: dict[str, Any], path: Path) -> Path:
     """A row per anchor and setting: validation along the shared λ (left) and s (right), per balance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     cells = list(sweeps["cells"])
     fig, axes = plt.subplots(len(cells), 2, figsize=(8.5, 3.0 * len(cells)), squeeze=False, sharey="row")
@@ -304,7 +298,4 @@ def plot_balance(sweeps: dict[str, Any], path: Path) -> Path:
             ax.set_xlabel("λ (relative, every group)" if along == "lambda" else "s")
         axes[row][0].set_ylabel("validation accuracy (%) ↑")
     axes[0][0].legend(fontsize=7, title="task_balance", title_fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=110)

@@ -35,7 +35,9 @@ def lm_eval_accuracy(
         tasks=list(task_names),
         batch_size=batch_size,
         limit=limit,
-        task_manager=TaskManager(include_path=str(include_path)),
+        # the tasks are generated locally: indexing lm-eval's own (thousands of YAML files) too took
+        # seconds per call, every call
+        task_manager=TaskManager(include_path=str(include_path), include_defaults=False),
         log_samples=True,
         verbosity="WARNING",
     )

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.merging.report.cells import interval_text
+from bench.merging.report.plots import drawn_once
 from bench.merging.report.rows import find_row, range_share
 
 ANCHORS = ("task_arithmetic", "tsv", "iso_cts")
@@ -94,6 +95,7 @@ def curve_markdown(points: list[dict[str, Any]]) -> str:
     )
 
 
+@drawn_once
 def plot_curve(points: list[dict[str, Any]], path: Path) -> Path | None:
     from bench.merging.report.plots import _pyplot, _save
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.merging.report.cells import ANCHOR_LABELS
+from bench.merging.report.plots import drawn_once
 
 SCALES = ("base", "none")
 OBJECTIVES = ("kl", "reverse_kl", "top1", "entropy")
@@ -46,6 +47,7 @@ def trace_markdown(results: dict[str, Any]) -> str:
     )
 
 
+@drawn_once
 def plot_trace(results: dict[str, Any], path: Path) -> Path | None:
     """Per traced search: test average against the agreement score (KL, base-scaled), one dot a trial."""
     from bench.merging.label_free_trace import objective_scores

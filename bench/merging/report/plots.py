@@ -3,14 +3,61 @@ LoRA track's paired differences."""
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import hashlib
+import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.merging.report.cells import ANCHOR_LABELS
 from bench.merging.report.rows import find_row
 from bench.merging.variants import variant_rows
 
+# What changes from one report to the next without changing any picture (clocks, the stage line).
+VOLATILE = ("timings", "stage_seconds", "stage_reached", "stage_partial", "stages_skipped", "machine")
+STAMP = "mergekit-bmm-inputs"  # the PNG text chunk holding the digest of what a picture was drawn from
+_PENDING_STAMP: contextvars.ContextVar[str | None] = contextvars.ContextVar("picture_stamp", default=None)
+Draw = TypeVar("Draw", bound=Callable[..., "Path | None"])
 
+
+def drawn_once(draw: Draw) -> Draw:
+    """Draw a picture only when what it shows has changed since it was drawn: a run writes its
+    report at every stage boundary (and a resumed one again), and rendering every PNG each time
+    was most of a report's cost."""
+
+    @functools.wraps(draw)
+    def wrapper(data: Any, path: Path, *args: Any, **kwargs: Any) -> Path | None:
+        path = Path(path)
+        shown = {k: v for k, v in data.items() if k not in VOLATILE} if isinstance(data, dict) else data
+        text = json.dumps([draw.__qualname__, shown, args, kwargs], sort_keys=True, default=str)
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        if _stamp(path) == digest:
+            return path
+        token = _PENDING_STAMP.set(digest)
+        try:
+            return draw(data, path, *args, **kwargs)
+        finally:
+            _PENDING_STAMP.reset(token)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _stamp(path: Path) -> str | None:
+    """The digest a PNG was drawn from (None: no picture, or one drawn before stamps)."""
+    if not path.is_file():
+        return None
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return image.info.get(STAMP)
+    except OSError:
+        return None
+
+
+@drawn_once
 def plot_expert_curves(results: dict[str, Any], path: Path) -> Path | None:
     """Each expert's held-out accuracy while it trains, the kept step marked: did it plateau?"""
     experts = results.get("experts", {})
@@ -36,6 +83,7 @@ def plot_expert_curves(results: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path, dpi=110)
 
 
+@drawn_once
 def plot_anchors(results: dict[str, Any], path: Path) -> Path | None:
     """One panel per anchor: per-task test accuracy of the anchor and BMM over it."""
     import numpy as np
@@ -87,6 +135,7 @@ def plot_anchors(results: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path, dpi=110)
 
 
+@drawn_once
 def plot(results: dict[str, Any], path: Path) -> Path | None:
     """Grouped bars: test accuracy per task for each row and the experts."""
     import numpy as np
@@ -116,6 +165,7 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path, dpi=120)
 
 
+@drawn_once
 def plot_deltas(results: dict[str, Any], path: Path) -> Path | None:
     """Paired test Δ with 95 % intervals at a glance: BMM (searched, and at its defaults) against its
     anchor per mode, and each variant against the search it is paired with."""
@@ -189,6 +239,7 @@ def searched_lambdas(row: dict[str, Any]) -> dict[str, list[float]]:
     return found
 
 
+@drawn_once
 def plot_evidence_lambdas(results: dict[str, Any], path: Path) -> Path | None:
     """Per mode, each anchor's λ per module group: chosen by the evidence (every weight, dots; their
     median, a bar) against the search's best (crosses), on one log axis."""
@@ -225,6 +276,7 @@ def plot_evidence_lambdas(results: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path, dpi=110)
 
 
+@drawn_once
 def plot_lora_intervals(lora: dict[str, Any], path: Path) -> Path | None:
     """The LoRA track at a glance: BMM over each mergekit anchor (searched: filled; at its defaults:
     ○; at ``lambda: auto``: △) against every other merge of the same adapters, paired test Δ with
@@ -281,6 +333,7 @@ def _pyplot():
 
 def _save(fig, path: Path, dpi: int) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    stamp = _PENDING_STAMP.get()
+    fig.savefig(path, dpi=dpi, metadata={STAMP: stamp} if stamp else None)
     _pyplot().close(fig)
     return path

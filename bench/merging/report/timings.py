@@ -93,8 +93,9 @@ def stage_line(results: dict[str, Any]) -> str:
     from bench.merging.stages import STAGES
 
     reached = results.get("stage_reached", STAGES[-1])
-    done = list(STAGES[: STAGES.index(reached) + 1]) if reached in STAGES else []
-    later = list(STAGES[STAGES.index(reached) + 1 :]) if reached in STAGES else []
+    skipped = results.get("stages_skipped") or []
+    done = [s for s in STAGES[: STAGES.index(reached) + 1] if s not in skipped] if reached in STAGES else []
+    later = [s for s in STAGES[STAGES.index(reached) + 1 :] if s not in skipped] if reached in STAGES else []
     alone = "language" in later and bool(results.get("language"))  # run on its own (--language-only)
     if alone:
         later.remove("language")
@@ -108,4 +109,6 @@ def stage_line(results: dict[str, Any]) -> str:
         text += ", and language (run on its own)"
     if later:
         text += f"; not yet run: {', '.join(later)}"
+    if skipped:
+        text += f"; skipped: {', '.join(skipped)}"
     return text + (f". Machine: {machine}." if machine else ".")

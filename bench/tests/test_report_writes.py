@@ -1,0 +1,42 @@
+"""Writing the report: pictures drawn only when what they show changed, stages left out by ``--skip``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.merging.config import load_config, skip_stages
+from bench.merging.report import plots
+from bench.merging.report.timings import stage_line
+
+CONFIGS = Path(__file__).resolve().parents[1] / "merging" / "configs"
+LORA = {"rank": 16, "intervals": {"bmm over ties - peft linear": {"delta": 0.01, "low": -0.01, "high": 0.03}}}
+
+
+def test_a_picture_is_drawn_again_only_when_what_it_shows_changed(tmp_path, monkeypatch):
+    drawn: list[Path] = []
+    save = plots._save
+
+    def counting(fig, path, dpi):
+        drawn.append(path)
+        return save(fig, path, dpi)
+
+    monkeypatch.setattr(plots, "_save", counting)
+    path = tmp_path / "lora.png"
+    assert plots.plot_lora_intervals(LORA, path) == path and len(drawn) == 1
+    assert plots.plot_lora_intervals({**LORA}, path) == path and len(drawn) == 1  # the same: kept
+    assert plots.plot_lora_intervals({**LORA, "timings": {"x": 1}}, path) and len(drawn) == 1  # clocks only
+    changed = {**LORA, "rank": 8}
+    assert plots.plot_lora_intervals(changed, path) == path and len(drawn) == 2
+    path.write_bytes(b"not a png")  # a damaged picture is drawn again, not trusted
+    assert plots.plot_lora_intervals(changed, path) == path and len(drawn) == 3
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_skipped_stages_are_switched_off_and_named_in_the_report():
+    config = load_config(CONFIGS / "zeroshot8.yml")  # every optional stage on
+    skipped = skip_stages(config, ("sweeps", "variants"))
+    assert skipped.sweeps.anchor is None and skipped.variants == []
+    assert skipped.ablation.anchor == "task_arithmetic" and skipped.language.enabled
+    line = stage_line({"stage_reached": "bmm", "stages_skipped": ["sweeps"]})
+    assert line.startswith("Stages run: data, heads, experts, scores, task_arithmetic, anchors, bmm;")
+    assert "not yet run: ablation, variants, language; skipped: sweeps." in line
