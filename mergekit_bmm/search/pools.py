@@ -106,15 +106,19 @@ class LocalPool:
             for index, (device, threads) in enumerate(placements)
         ]
         self.attempts: dict[int, int] = {}
-        # The first worker fills bmm's factor cache; the others start once it has, and read it.
-        self._start(self._processes[0])
-        self.ready = self._await_ready(self._processes[0])
-        for worker in self._processes[1:]:
-            self._start(worker)
-        for worker in self._processes[1:]:
+        # Every worker's Python starts (and imports) at once; the first fills bmm's factor cache,
+        # and only then are the others handed their spec, to load the model and read the cache.
+        for worker in self._processes:
+            self._start(worker, send_spec=False)
+        first, *others = self._processes
+        first.connection.send(first.spec)
+        self.ready = self._await_ready(first)
+        for worker in others:
+            worker.connection.send(worker.spec)
+        for worker in others:
             self._await_ready(worker)
 
-    def _start(self, worker: _Process) -> None:
+    def _start(self, worker: _Process, send_spec: bool = True) -> None:
         parent, child = multiprocessing.Pipe()
         log = open(Path(worker.spec.work_dir) / f"worker-{worker.label}.log", "ab")  # noqa: SIM115
         worker.process = subprocess.Popen(
@@ -126,7 +130,8 @@ class LocalPool:
         )
         log.close()
         child.close()
-        parent.send(worker.spec)
+        if send_spec:
+            parent.send(worker.spec)
         worker.connection, worker.ready, worker.trial = parent, None, None
 
     def _await_ready(self, worker: _Process) -> WorkerReady:

@@ -113,6 +113,8 @@ def serve(connection: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     spec = connection.recv()
+    if spec == ("stop",):  # stopped before its turn to load (the first worker failed)
+        return
     try:
         worker = TrialWorker(spec)
     except BaseException as error:  # noqa: BLE001  (reported to the driver, then the process ends)
