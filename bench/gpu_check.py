@@ -18,8 +18,9 @@ Six parts (the first four by default), each printed as a table and kept in ``--o
 5. **search3b** — part 3 on a Llama-3.2-3B-shaped family (hidden 3072, 28 layers, MLP 8192,
    24 heads / 8 KV heads, T = 3): the start-up (model load and factor-cache fill) and one
    resident trial's merge and evaluation, against the paper's ≈ 8 s of closed form per trial.
-6. **moe** — per-expert activation statistics at Mixtral's shape (``bench/moe_statistics.py``):
-   time against one forward, peak device memory, passes, size on disk.
+6. **moe** — the ``moe_statistics`` workload (per-expert activation statistics at Mixtral's shape,
+   ``--size small``: its quick shape) on ``--device``: time against one forward, peak device memory,
+   passes, size on disk.
 
     python bench/gpu_check.py --device cuda --out bench/results/gpu-check.json     # on a GPU
     python bench/gpu_check.py --device cpu --size small                            # the CPU run (tested)
@@ -44,7 +45,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 import torch  # noqa: E402
 
-from bench import moe_statistics  # noqa: E402
 from bench.common import ensure_llama_family, gemm_floor, solved_shapes  # noqa: E402
 from bench.perf.merges import DEFAULT_CACHE, closed_form_floor, merge_here, recipe, run_child  # noqa: E402
 from mergekit_bmm.io.atomic import atomic_write_text  # noqa: E402
@@ -235,12 +235,26 @@ def billion(models: Path, scratch: Path, device: str, size: str) -> dict:
     return {"shape": SHAPES[size]["billion"], "rows": rows}
 
 
+def moe(scratch: Path, device: str, size: str) -> dict:
+    """The ``moe_statistics`` workload on ``device`` (its full shape, or its quick one with ``small``)."""
+    from bench.perf.harness import run_workload
+    from bench.perf.workloads import workload
+
+    return run_workload(
+        workload("moe_statistics"),
+        "full" if size == "full" else "quick",
+        out_root=scratch / "moe",
+        overrides={"device": device},
+        echo=lambda line: print(f"  moe: {line}", flush=True),
+    )
+
+
 # -- the report ---------------------------------------------------------------------------
 def report(result: dict) -> str:
     """The tables of the parts that ran; a part that failed or did not run says so in one line."""
     lines = [f"GPU check on {result['machine']}, device {result['device']}, sizes {result['size']}"]
     tables = {"accuracy": _accuracy_table, "speed": _speed_table, "search": _search_table,
-              "billion": _billion_table, "search3b": _search_table, "moe": moe_statistics.table}  # fmt: skip
+              "billion": _billion_table, "search3b": _search_table, "moe": _moe_table}  # fmt: skip
     for part in PARTS:
         found = result.get(part)
         if found is None:
@@ -304,6 +318,12 @@ def _billion_table(big: dict) -> list[str]:
     return lines
 
 
+def _moe_table(found: dict) -> list[str]:
+    from bench.perf.harness import table
+
+    return [table(found["rows"]), *(f"{key}: {value}" for key, value in found["figures"].items())]
+
+
 def _listed(text: str | None) -> list[str] | None:
     return [item.strip() for item in text.split(",") if item.strip()] if text else None
 
@@ -341,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
             "search": lambda: search(args.models, scratch, args.device, size, args.budget),
             "search3b": lambda: search(args.models, scratch, args.device, size, args.budget, "3b"),
             "billion": lambda: billion(args.models, scratch, args.device, size),
-            "moe": lambda: moe_statistics.measure(scratch, size, args.device),
+            "moe": lambda: moe(scratch, args.device, size),
         }
         for part in parts:
             print(f"== {part}", flush=True)
