@@ -21,6 +21,7 @@ A Llama-shaped base (``hidden``; ``intermediate``, default 2.75 × hidden; ``lay
     python -m bench.perf lora_merge --set hidden=2048 --set intermediate=8192 --set layers=16 \
         --set full_route=false --rounds 3
     python -m bench.perf lora_merge --set gram=activations        # data-assisted (made-up Grams)
+    python -m bench.perf lora_merge --set gram=activations --set rows=adapters   # its k × k variant
 
 With ``gram=activations`` (or ``mix``) the route forms ``C = B·Z`` from the adapters' factors and
 made-up activation Grams (rank 256, every weight) and solves ``k`` rows over Task Arithmetic; the
@@ -232,18 +233,22 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group | Callable[[], G
     data = {}
     if parameters["gram"] != "data_free":  # data-assisted: C = B·Z from the factors and the Grams
         data = {"gram": parameters["gram"], "stats": str(lora_stats(root / "models", base, adapters))}
+        if parameters["rows"] == "adapters":  # the update's rows kept in the span of the A_t: k × k solves
+            data["low_rank_rows"] = "adapters"
     ta, route = recipe(base, adapters, "task_arithmetic"), recipe(base, adapters, "bmm", **data)
     heavy = [Job(REFERENCE_AGAIN, merge_job(ta))]
     if parameters["full_route"]:
         full = recipe(base, adapters, "bmm", low_rank=False, **data)
         heavy.append(Job(FULL_ROW, merge_job(full), REFERENCE_AGAIN))
     heavy.append(Job(ADAPTER_ROW, adapter_job(route, root / "work"), REFERENCE_AGAIN))
-    return [
+    groups: list[Group | Callable[[], Group]] = [
         Group([Job(ONCE_ROW, merge_job(ta))], rounds=1, warmup=0),
         Group([Job(TA_ROW, merge_job(ta)), Job(ROUTE_ROW, merge_job(route), TA_ROW)]),
         Group(heavy),
-        lambda: Group([Job(TRIAL_ROW, resident_trial_job(route, root / "search"))]),
     ]
+    if "low_rank_rows" not in data:  # the k × k variant solves directly: its trials run on disk
+        groups.append(lambda: Group([Job(TRIAL_ROW, resident_trial_job(route, root / "search"))]))
+    return groups
 
 
 def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -268,6 +273,7 @@ def notes(parameters: dict[str, Any]) -> str:
         f"hidden {parameters['hidden']}, MLP {intermediate}, {parameters['layers']} layers, "
         f"{parameters['experts']} adapters of rank {parameters['rank']} on {where}, float32, "
         f"gram {parameters['gram']}"
+        + (", low_rank_rows adapters" if parameters["rows"] == "adapters" else "")
     )
 
 
@@ -278,6 +284,7 @@ SHAPE = {
     "targets": "all",
     "full_route": True,
     "gram": "data_free",
+    "rows": "dense",  # with a data-assisted gram: `adapters` for `low_rank_rows: adapters`
 }
 WORKLOAD = Workload(
     name="lora_merge",
