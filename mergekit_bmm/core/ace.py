@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mergekit_bmm.core.finite import all_finite
 from mergekit_bmm.core.merge_tools import as_matrices
 from mergekit_bmm.core.task_balance import heterogeneous
 
@@ -79,6 +80,6 @@ def ace_merge(
 def _right_solve(cross: torch.Tensor, system: torch.Tensor) -> torch.Tensor:
     """``cross · system⁻¹`` (``system`` is not symmetric: the prior is added to its rows)."""
     solution, info = torch.linalg.solve_ex(system.T, cross.T)
-    if int(info) == 0 and bool(torch.isfinite(solution).all()):
+    if int(info) == 0 and all_finite(solution):
         return solution.T
     return cross @ torch.linalg.pinv(system)

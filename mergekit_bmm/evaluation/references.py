@@ -29,6 +29,7 @@ import torch
 from filelock import FileLock
 from pydantic import BaseModel, Field
 
+from mergekit_bmm.core.finite import all_finite
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.evaluation.agreement_tasks import TextTask
 from mergekit_bmm.evaluation.classification import Head, load_head, pad_token_id
@@ -165,7 +166,7 @@ class References:
         )
         if len(rows) != recorded.texts or reference.top_index.shape[0] != recorded.positions:
             raise ValueError(f"{len(rows)} texts and {reference.top_index.shape[0]} positions")
-        if not torch.isfinite(reference.top_log_probs).all():
+        if not all_finite(reference.top_log_probs):
             raise ValueError("non-finite log-probabilities")
         return TaskData(rows, reference, positions, recorded.kind, dict(recorded.base_divergence), head)
 

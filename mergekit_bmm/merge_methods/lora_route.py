@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-import torch
 from mergekit.merge_methods.base import TensorEntry, TensorGroup
 
+from mergekit_bmm.core.finite import all_finite
 from mergekit_bmm.core.low_rank import LowRankUpdate, SpanAnchor
 from mergekit_bmm.errors import TensorInputError
 from mergekit_bmm.io.lora_adapters import Adapter, adapter_for
@@ -80,7 +80,7 @@ def adapter_factors(
         if factors is not None and piece is not None:
             factors = (factors[0][piece.rows], factors[1])
         if factors is not None:
-            if not all(bool(torch.isfinite(f).all()) for f in factors):
+            if not all(all_finite(f) for f in factors):
                 raise TensorInputError(
                     f"the LoRA factors of {name} in adapter {entry.id.lora} contain NaN or Inf; repair "
                     "or re-train that adapter before merging"

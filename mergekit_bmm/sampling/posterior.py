@@ -27,6 +27,7 @@ import numpy
 import torch
 
 from mergekit_bmm.core.closed_form import eigenvalue_floor
+from mergekit_bmm.core.finite import all_finite
 from mergekit_bmm.errors import ConfigError
 
 
@@ -62,7 +63,7 @@ class RowPosterior:
     ) -> RowPosterior:
         """Factorise ``G + λ'I`` once: ``G = QΛQᵀ`` in float64."""
         gram = gram.detach().to(device="cpu", dtype=torch.float64)
-        if not bool(torch.isfinite(gram).all()):
+        if not all_finite(gram):
             raise ConfigError(f"the Gram of {name} contains NaN or Inf; cannot sample its posterior")
         eigenvalues, basis = torch.linalg.eigh(0.5 * (gram + gram.T))
         return cls.from_eigen(eigenvalues, basis, ridge, beta, solve_dtype, name)

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from mergekit_bmm.core.finite import all_finite
 from mergekit_bmm.core.module_map import classify
 from mergekit_bmm.errors import StatisticsError
 from mergekit_bmm.stats import gram_storage
@@ -245,10 +246,10 @@ class GramCollector:
                 else:  # an expert that received more tokens than rows save room for
                     rows = rows.to(torch.float64)
                     stored = gram_storage.from_sum(rows.T @ rows, count)
-                finite = bool(torch.isfinite(stored.tensor).all())
+                finite = all_finite(stored.tensor)
             else:
                 stored = gram_storage.from_sum(self.sums.pop(key), count)
-                finite = bool(torch.isfinite(stored.tensor).all())
+                finite = all_finite(stored.tensor)
             if not finite:
                 raise StatisticsError(
                     f"the Gram of {key} contains NaN or Inf (activations overflowed); "

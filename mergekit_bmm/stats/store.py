@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field, PrivateAttr, field_validator
 
+from mergekit_bmm.core.finite import all_finite
 from mergekit_bmm.core.module_map import layer_local_name
 from mergekit_bmm.errors import StatisticsError
 from mergekit_bmm.io.atomic import replacing
@@ -381,7 +382,7 @@ def _check_gram(
             f"{where}: the Gram is {gram.shape[0]}x{gram.shape[1]} but the weight has {d_in} inputs; "
             "the statistics were made for a model of another size — re-run mergekit-bmm-stats"
         )
-    if not bool(torch.isfinite(gram).all()):
+    if not all_finite(gram):
         raise StatisticsError(f"{where}: the Gram contains NaN or Inf; re-run mergekit-bmm-stats")
 
 
