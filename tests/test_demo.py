@@ -16,6 +16,7 @@ ROWS = (
     "TIES",
     "BMM at its defaults",
     "BMM searched",
+    "BMM searched, no labels",
 )
 
 
@@ -41,6 +42,12 @@ def test_the_demo_merges_searches_and_prints_test_accuracy(tmp_path):
     summary = json.loads((out / "search" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["completed_trials"] == 3
     assert summary["fidelity"]["trials"] == 3  # the demo's python evaluator scores single examples
+    no_labels = json.loads((out / "search-label-free" / "summary.json").read_text())
+    assert no_labels["status"] == "finished" and no_labels["completed_trials"] == 3
+    unlabelled = sorted((out / "unlabelled").glob("*.jsonl"))
+    assert len(unlabelled) == 4  # one text file per task: what the no-label search read
+    assert all(set(json.loads(line)) == {"text"} for p in unlabelled for line in p.read_text().splitlines())
+    assert "This search used no labels" in (out / "search-label-free" / "best" / "README.md").read_text()
     png = out / "search" / "convergence.png"
     assert png.is_file() and f"convergence: {png}" in done.stdout
     for command in ("mergekit-yaml", "mergekit-bmm-search"):

@@ -3,8 +3,9 @@
 Models are made locally (:mod:`~mergekit_bmm.examples.demo_training`); Task Arithmetic and TIES
 are tuned on validation and merged by the stock ``mergekit-yaml``; ``bmm`` at its defaults is
 merged the same way; ``mergekit-bmm-search`` tunes bmm over Task Arithmetic (cheap-then-full
-evaluation through the demo's ``type: python`` evaluator) and merges its best recipe; every
-model is then scored on the held-out test split.
+evaluation through the demo's ``type: python`` evaluator) and merges its best recipe; the same
+search then runs with no labels (``type: agreement``: how closely the merge reproduces each expert on
+its task's unlabelled validation texts); every model is then scored on the held-out test split.
 """
 
 from __future__ import annotations
@@ -129,9 +130,43 @@ def _search_config(models: DemoModels, recipe: Path, budget: int) -> dict:
     }
 
 
+def _label_free_config(models: DemoModels, recipe: Path, budget: int, root: Path) -> dict:
+    """The same search scored by agreement with each expert on its task's validation texts, written
+    without their labels (what a user with calibration text but no labels has), read through the
+    task's head as the demo's tasks are (the class distribution of the mean-pooled last state)."""
+    import torch
+
+    from mergekit_bmm.evaluation.classification import save_head
+
+    heads = demo_tasks.load_heads(str(models.data))
+    tasks = []
+    for task, expert in models.experts.items():
+        rows = (models.data / "validation" / f"{task}.jsonl").read_text(encoding="utf-8").splitlines()
+        texts = root / "unlabelled" / f"{task}.jsonl"
+        texts.parent.mkdir(parents=True, exist_ok=True)
+        unlabelled = (json.dumps({"text": json.loads(row)["text"]}) + "\n" for row in rows if row.strip())
+        texts.write_text("".join(unlabelled), encoding="utf-8")
+        weight = heads[task]
+        head = save_head(
+            root / "unlabelled" / f"{task}.head.safetensors",
+            weight,
+            torch.zeros(weight.shape[0]),
+            [str(label) for label in range(weight.shape[0])],
+        )
+        tasks.append({"name": task, "model": str(expert), "data": str(texts), "head": str(head)})
+    search = _search_config(models, recipe, budget)
+    return {**search, "evaluator": {"type": "agreement", "tasks": tasks}}
+
+
+def _search(search_yml: Path, out: Path, result: DemoResult) -> dict:
+    """``mergekit-bmm-search search_yml out`` (its progress shown); its summary."""
+    _run([_bin("mergekit-bmm-search"), str(search_yml), str(out), "--device", "cpu"], result, show=True)
+    return json.loads((out / "summary.json").read_text(encoding="utf-8"))
+
+
 def run_demo(root: Path, size: DemoSize = FULL, say: Callable[[str], None] = print) -> DemoResult:
     """Every step of the demo under ``root``; returns what it measured."""
-    steps = 6
+    steps = 7
     started = time.perf_counter()
     say(f"[1/{steps}] pre-training a tiny Llama and fine-tuning 4 experts in {root}/models ...")
     models = build(root, size)
@@ -169,19 +204,24 @@ def run_demo(root: Path, size: DemoSize = FULL, say: Callable[[str], None] = pri
     )
     trials = f"{size.budget} trials of data-free bmm over Task Arithmetic"
     say(f"[5/{steps}] mergekit-bmm-search search.yml -> {root / 'search'}  ({trials})")
-    _run(
-        [_bin("mergekit-bmm-search"), str(search_yml), str(root / "search"), "--device", "cpu"],
-        result,
-        show=True,
-    )
-    summary = json.loads((root / "search" / "summary.json").read_text(encoding="utf-8"))
+    summary = _search(search_yml, root / "search", result)
     result.merged["bmm searched"] = root / "search" / (summary.get("best_model") or "best")
     if summary.get("convergence_plot"):
         result.convergence_plot = str(root / "search" / summary["convergence_plot"])
     result.seconds["search"] = time.perf_counter() - mark
 
     mark = time.perf_counter()
-    say(f"[6/{steps}] scoring every model on the test split ...")
+    label_free = root / "search-label-free.yml"
+    config = _label_free_config(models, result.recipes["bmm"], size.budget, root)
+    label_free.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    no_labels = "the same search with no labels: agreement with each expert on its unlabelled texts"
+    say(f"[6/{steps}] mergekit-bmm-search {label_free.name} -> {root / 'search-label-free'}  ({no_labels})")
+    summary = _search(label_free, root / "search-label-free", result)
+    result.merged["bmm no labels"] = root / "search-label-free" / (summary.get("best_model") or "best")
+    result.seconds["search without labels"] = time.perf_counter() - mark
+
+    mark = time.perf_counter()
+    say(f"[7/{steps}] scoring every model on the test split ...")
     result.accuracy["base"] = _accuracy(models.base, models.data, "test")
     result.accuracy["experts"] = {
         task: _accuracy(path, models.data, "test", [task])[task] for task, path in models.experts.items()
@@ -200,6 +240,7 @@ ROWS = (
     ("ties", "TIES"),
     ("bmm", "BMM at its defaults"),
     ("bmm searched", "BMM searched"),
+    ("bmm no labels", "BMM searched, no labels"),
 )
 
 
@@ -224,7 +265,8 @@ def what_next(result: DemoResult) -> str:
         f"tasks (each on its own alphabet; {len(demo_tasks.TASKS)} fixed heads, one per task): "
         + "; ".join(f"{task.name}: {task.question}" for task in demo_tasks.TASKS),
         f"models: {root / 'models'}/   data: {result.models.data}/",
-        f"search: {root / 'search'}/ (summary.json, trials.jsonl, best.yml, best/)",
+        f"search: {root / 'search'}/ (summary.json, trials.jsonl, best.yml, best/); without labels: "
+        f"{root / 'search-label-free'}/ (texts in {root / 'unlabelled'}/)",
     ]
     if result.convergence_plot:
         lines.append(f"convergence: {result.convergence_plot}")
