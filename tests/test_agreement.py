@@ -124,6 +124,45 @@ def test_score_is_the_share_of_the_base_gap_closed_against_a_float64_kl(tiny_lla
     assert scores[family.experts[1].name] == pytest.approx(1.0, abs=1e-6)  # an expert reproduces itself
 
 
+def test_last_position_only_against_a_float64_kl_and_its_own_references(tiny_llama, tmp_path):
+    """``positions: last``: the KL of the next-token distributions after each whole text (where a
+    prompt's answer is read), nothing else; references made for every position are not reused."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    family, folder = tiny_llama, tmp_path / "refs"
+    config = {"tasks": _tasks(family, tmp_path), "base_model": str(family.base), "references": str(folder)}
+    lines: list[str] = []
+    _evaluator(config, tmp_path).prepare(echo=lines.append)  # every position (the default)
+    last = _evaluator({**config, "positions": "last", "top_k": 1000}, tmp_path)
+    last.prepare(echo=lines.append)
+    assert any("made for other inputs" in line and "positions" in line for line in lines)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert all(task["positions"] == len(TEXTS) for task in manifest["tasks"].values())  # one a text
+    candidate = AutoModelForCausalLM.from_pretrained(family.experts[1], dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(family.base)
+    scores = last.evaluate_model(candidate, tokenizer)
+
+    def last_kl(model_dir, other) -> float:  # mean over texts of the KL after the whole text, float64
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+        values = []
+        for text in TEXTS:
+            ids = tokenizer(text, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                p = torch.log_softmax(reference(ids).logits[0, -1], -1)
+                q = torch.log_softmax(other.double()(ids).logits[0, -1], -1)
+            values.append(float((p.exp() * (p - q)).sum()))
+        other.float()
+        return sum(values) / len(values)
+
+    base = AutoModelForCausalLM.from_pretrained(family.base, dtype=torch.float32).eval()
+    for expert in family.experts:
+        expected = 1.0 - last_kl(expert, candidate) / last_kl(expert, base)
+        assert scores[expert.name] == pytest.approx(expected, rel=1e-3, abs=1e-5)
+    lines.clear()  # and back: references of the last position alone are not reused for every position
+    _evaluator(config, tmp_path).prepare(echo=lines.append)
+    assert sum("made for other inputs" in line for line in lines) == 3
+
+
 def test_references_are_reused_and_recomputed_for_other_experts(tiny_llama, tmp_path):
     family = tiny_llama
     folder = tmp_path / "refs"

@@ -227,15 +227,12 @@ def bmm_stage(config: RunConfig, cache_dir: Path, art: Artifacts, results, setti
                     config, cache_dir, art, anchor, setting, "bo", seeds[0]["seed"], None, spec
                 )
                 record = seed_record(outcome, list(art.tasks))
-                row.setdefault("label_free", {})[spec.objective] = record
+                row.setdefault("label_free", {})[spec.name] = record
                 if anchor in spec.trace:  # every trial against test: does the objective transfer?
                     from bench.merging.label_free_trace import trace_search
 
                     record["trace"] = trace_search(config, cache_dir, art, spec, Path(outcome["folder"]))
-                say(
-                    f"bmm       {anchor:16s} {setting:13s} "
-                    f"no labels ({spec.objective}) {100 * record['avg']:.1f}"
-                )
+                say(f"bmm       {anchor:16s} {setting:13s} no labels ({spec.name}) {100 * record['avg']:.1f}")
         oracle = config.search.oracle
         if oracle is not None and anchor in oracle.anchors and setting in oracle.settings:
             found = one_search(config, cache_dir, art, anchor, setting, "bo", seeds[0]["seed"], oracle=True)

@@ -166,6 +166,10 @@ class LabelFreeSpec(_Strict):
         default="kl", description="agreement's divergence from each expert (entropy ignores it)"
     )
     scale: Literal["base", "none"] = "base"
+    positions: Literal["all", "last"] = Field(
+        default="all",
+        description="causal LMs: agreement at every token of a prompt, or at its last (the answer's) only",
+    )
     split: str = "train"
     max_samples: int | None = Field(default=None, ge=1, description="texts per task (None: the stats')")
     trace: list[str] = Field(
@@ -173,6 +177,16 @@ class LabelFreeSpec(_Strict):
         description="anchors whose label-free search is traced: every trial re-merged, scored on test and "
         "under every objective (does a better agreement mean a better model?)",
     )
+
+    @property
+    def name(self) -> str:
+        """The search's name in the results: its objective, marked when it reads the last token only."""
+        return self.objective if self.positions == "all" else f"{self.objective}-last"
+
+    def evaluator_extras(self) -> dict[str, str]:
+        """Settings the evaluator block carries only when they are not the default (cached searches
+        made before a setting existed keep their keys)."""
+        return {} if self.positions == "all" else {"positions": self.positions}
 
 
 class OracleSpec(_Strict):

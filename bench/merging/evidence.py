@@ -96,8 +96,8 @@ def verdict(summary: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
         if row.get("defaults_share") is not None:
             counts["search_gained"] += 1
             counts["defaults_reach_80"] += int(row["defaults_share"] >= DEFAULTS_BAR)
-        for kind in ("candidate", "auto", "agreement", "entropy"):  # the same bar for each: a proposed
-            # default, λ from the evidence, a search with no labels
+        # the same bar for each: a proposed default, λ from the evidence, a search with no labels
+        for kind in ("candidate", "auto", "agreement", "agreement-last", "entropy"):
             if row.get(f"{kind}_share") is not None:
                 counts[f"{kind}_reach_80"] = counts.get(f"{kind}_reach_80", 0) + int(
                     row[f"{kind}_share"] >= DEFAULTS_BAR

@@ -146,6 +146,7 @@ def label_free_block(config: RunConfig, art: Artifacts, spec: LabelFreeSpec | No
         "type": "agreement",
         "objective": "entropy" if spec.objective == "entropy" else spec.divergence,
         "scale": spec.scale,
+        **spec.evaluator_extras(),
         "max_samples": spec.max_samples or config.stats.max_samples,
         "max_length": config.max_length,
         "batch_size": config.eval_batch_size,

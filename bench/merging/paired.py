@@ -14,7 +14,8 @@ from bench.merging.artifacts import Artifacts
 from bench.merging.cache import ScoreCache
 from bench.merging.config import RunConfig, limits
 
-LABEL_FREE = ("agreement", "entropy")  # searches scored with no labels (config `search.label_free`)
+# searches scored with no labels (config `search.label_free`), by name
+LABEL_FREE = ("agreement", "agreement-last", "entropy")
 
 
 def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: dict[str, Any]) -> None:

@@ -264,6 +264,15 @@ def test_label_free_evaluator_reads_the_training_prompts_and_no_label(mc_task, t
     for path, expected in ((tiny_llama.base, 0.0), (tiny_llama.experts[0], 1.0)):
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         assert evaluator.evaluate_model(model, tokenizer)["mood_mc"] == pytest.approx(expected, abs=1e-4)
+    last = LabelFreeSpec(positions="last")  # the answer's position only: its own name and evaluator setting
+    block = label_free_evaluator(last, [mc_task], [tiny_llama.experts[0]], 32, 4)
+    assert block["positions"] == "last" and last.name == "agreement-last"
+    evaluator = make_evaluator(
+        AgreementEvaluatorConfig.model_validate({**block, "base_model": str(tiny_llama.base)}), "cpu"
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama.experts[0]).eval()
+    assert evaluator.evaluate_model(model, tokenizer)["mood_mc"] == pytest.approx(1.0, abs=1e-4)
     bmm = {"model_id": "a", "defaults": {"model_id": "b"}, "auto": {"model_id": "c"}}
-    bmm["label_free"] = {"agreement": {"model_id": "d"}}
+    bmm["label_free"] = {"agreement": {"model_id": "d"}, "agreement-last": {"model_id": "e"}}
     assert bmm_models("ties", bmm)["bmm agreement over ties"] == "d"
+    assert bmm_models("ties", bmm)["bmm agreement-last over ties"] == "e"

@@ -78,6 +78,7 @@ class AgreementEvaluator:
             self.config.dtype,
             self.device,
             echo,
+            self.config.positions,
         )
         for task in self.tasks:
             gap = self._data[task.name].base_divergence.get(self.config.objective, math.nan)
@@ -134,8 +135,9 @@ class AgreementEvaluator:
             own = data[task]
             gap = own.base_divergence[objective]
             values = dict.fromkeys(indices, math.nan)
+            last_only = self.config.positions == "last"
             for index, log_probs in log_probs_per_text(
-                model, own.kind, own.rows, list(indices), pad_id, self.config.batch_size, own.head
+                model, own.kind, own.rows, list(indices), pad_id, self.config.batch_size, own.head, last_only
             ):
                 reference = None if objective == "entropy" else own.of_text(index)
                 value = float(divergence(log_probs, reference, objective).mean())

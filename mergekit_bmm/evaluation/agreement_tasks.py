@@ -39,14 +39,16 @@ class TextTask:
     def model(self) -> str:
         return self.plan.task.model
 
-    def identity(self, top_k: int, dtype: str) -> dict[str, Any]:
-        """What decides this task's reference besides the expert's weights."""
-        return {
+    def identity(self, top_k: int, dtype: str, positions: str = "all") -> dict[str, Any]:
+        """What decides this task's reference besides the expert's weights (``positions`` only when it
+        is not the default, so references made before the setting existed stay valid)."""
+        found = {
             **self.plan.settings,
             "head": file_fingerprint(self.head) if self.head else None,
             "top_k": top_k,
             "forward_dtype": dtype,
         }
+        return found if positions == "all" else {**found, "positions": positions}
 
 
 def stats_config_of(config: AgreementEvaluatorConfig) -> tuple[StatsConfig, dict[str, dict[str, Any]]]:

@@ -194,6 +194,11 @@ class AgreementEvaluatorConfig(_Strict):
     max_samples: int | None = Field(default=None, ge=1)  # texts per task (default: the stats' 128)
     max_length: int | None = Field(default=None, ge=1)  # tokens per text (default: the stats')
     top_k: int = Field(default=64, ge=1, description="causal LMs: the expert's most likely tokens kept")
+    positions: Literal["all", "last"] = Field(
+        default="all",
+        description="causal LMs: the next-token distribution at every token of a text, or at its last "
+        "token only (where a prompt's answer is read)",
+    )
     batch_size: int = Field(default=8, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     heads: dict[str, str] = Field(default_factory=dict)  # task name -> head file (with `stats:`)

@@ -49,9 +49,11 @@ def log_probs_per_text(
     pad_id: int,
     batch_size: int,
     head: Head | None = None,
+    last_only: bool = False,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """``(index, [positions, outcomes] float32 log-probabilities)`` for every text in ``indices``, on the
-    model's device (a GPU keeps a large vocabulary's distributions where they were computed)."""
+    model's device (a GPU keeps a large vocabulary's distributions where they were computed);
+    ``last_only``: a causal LM's last position alone (what it predicts after the whole text)."""
     device = next(model.parameters()).device
     was_training = getattr(model, "training", False)
     model.eval()
@@ -73,7 +75,8 @@ def log_probs_per_text(
             logits = model(**inputs, **extra).logits
             for row, index in enumerate(chosen):
                 if kind == "causal_lm":
-                    own = logits[row, : len(rows[index])]
+                    end = len(rows[index])
+                    own = logits[row, end - 1 : end] if last_only else logits[row, :end]
                 else:
                     own = logits[row : row + 1]
                 yield index, torch.log_softmax(own.float(), dim=-1)  # on the model's device

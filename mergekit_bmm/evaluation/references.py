@@ -124,6 +124,7 @@ class References:
         self.folder = Path(folder) if folder is not None else None
         self.loaded: dict[str, TaskData] = {}
         self.progress = True  # a bar while an expert's references are computed (off under --quiet)
+        self.last_only = False  # causal LMs: the last position of each text only (`positions: last`)
 
     # ----------------------------------------------------------------- reading
     def _manifest(self, echo: Callable[[str], None]) -> ReferencesManifest:
@@ -148,9 +149,9 @@ class References:
         for key in ("model", "fingerprint", "base_fingerprint", "kind"):
             if getattr(recorded, key) != getattr(wanted, key):
                 changes.append(f"{key} {getattr(recorded, key) or '-'} vs {getattr(wanted, key) or '-'}")
-        for key, value in wanted.settings.items():
-            if recorded.settings.get(key) != value:
-                changes.append(f"{key} {recorded.settings.get(key)!r} vs {value!r}")
+        for key in sorted({*wanted.settings, *recorded.settings}):  # a setting on either side only
+            if recorded.settings.get(key) != wanted.settings.get(key):
+                changes.append(f"{key} {recorded.settings.get(key)!r} vs {wanted.settings.get(key)!r}")
         return changes
 
     def _read_task(self, name: str, recorded: TaskReference, head: Head | None) -> TaskData:
@@ -180,8 +181,10 @@ class References:
         dtype: str,
         device: str,
         echo: Callable[[str], None] = LOG.info,
+        positions: str = "all",
     ) -> dict[str, TaskData]:
         """Every task's reference: read where it matches, computed (and stored) where it does not."""
+        self.last_only = positions == "last"
         if self.folder is None:
             return self._prepare(tasks, base_model, top_k, batch_size, dtype, device, echo)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -198,7 +201,7 @@ class References:
                 model=task.model,
                 fingerprint=task.plan.fingerprint,
                 base_fingerprint=base_fingerprint,
-                settings=task.identity(top_k, dtype),
+                settings=task.identity(top_k, dtype, "last" if self.last_only else "all"),
                 kind=kind_of(_config(str(task.plan.model.path)), head),
                 texts=0,
                 positions=0,
@@ -244,7 +247,7 @@ class References:
             total=2 * len(rows), desc=f"references {task.name}", leave=False, disable=not self.progress
         ) as bar:
             for index, log_probs in log_probs_per_text(
-                model, wanted.kind, rows, order, pad_id, batch_size, head
+                model, wanted.kind, rows, order, pad_id, batch_size, head, self.last_only
             ):
                 parts[index] = reference_of(log_probs, top_k if wanted.kind == "causal_lm" else None)
                 bar.update(1)
@@ -252,7 +255,7 @@ class References:
             base = _load_model(base_path, wanted.kind, dtype, device)
             sums = dict.fromkeys(OBJECTIVES, 0.0)
             for index, log_probs in log_probs_per_text(
-                base, wanted.kind, rows, order, pad_id, batch_size, head
+                base, wanted.kind, rows, order, pad_id, batch_size, head, self.last_only
             ):
                 for objective, value in _divergences(log_probs, parts[index]).items():
                     sums[objective] += value

@@ -52,6 +52,7 @@ def label_free_evaluator(spec: Any, tasks, experts, max_length: int, batch: int)
         "type": "agreement",
         "objective": "entropy" if spec.objective == "entropy" else spec.divergence,
         "scale": spec.scale,
+        **spec.evaluator_extras(),
         "max_samples": spec.max_samples or 128,
         "max_length": max_length,
         "batch_size": batch,
@@ -91,12 +92,12 @@ def label_free_searches(
         evaluator = label_free_evaluator(free, tasks, experts, spec.max_length, batch)
         search = search_config(search_spec, template, evaluator, "bo", search_spec.seeds[0])
         key = stable_key({k: v for k, v in search.items() if k != "budget"})
-        folder = cache_dir / "searches" / config.name / f"language-{free.objective}-{anchor}-data_free-{key}"
-        tqdm.write(f"LM bmm    search over {anchor} with no labels ({free.objective}) -> {folder}")
+        folder = cache_dir / "searches" / config.name / f"language-{free.name}-{anchor}-data_free-{key}"
+        tqdm.write(f"LM bmm    search over {anchor} with no labels ({free.name}) -> {folder}")
         found = run_search(search, folder, search_spec.threads, search_spec.workers)
         recipe = yaml.safe_load(found["best_yml"].read_text(encoding="utf-8"))
         scores, _ = score_lm(recipe_key(recipe), found["best_dir"], jobs, include, cache, batch, limit)
-        out[free.objective] = {
+        out[free.name] = {
             "model_id": recipe_key(recipe),
             "best_values": found["best_values"],
             "search_score": found["best_validation"],

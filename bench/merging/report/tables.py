@@ -280,7 +280,11 @@ def _oracle_cell(cell: dict[str, Any]) -> str:
     return f"{100 * cell['oracle_score']:.1f} ({delta}; {share}; {versus})"
 
 
-LABEL_FREE_NAMES = {"agreement": "agreement with the experts", "entropy": "AdaMerging's entropy"}
+LABEL_FREE_NAMES = {
+    "agreement": "agreement with the experts",
+    "agreement-last": "agreement with the experts at the last token",
+    "entropy": "AdaMerging's entropy",
+}
 
 
 def _auto_cell(cell: dict[str, Any], kind: str = "auto") -> str:
