@@ -22,6 +22,7 @@ A Llama-shaped base (``hidden``; ``intermediate``, default 2.75 × hidden; ``lay
         --set full_route=false --rounds 3
     python -m bench.perf lora_merge --set gram=activations        # data-assisted (made-up Grams)
     python -m bench.perf lora_merge --set gram=activations --set rows=adapters   # its k × k variant
+    python -m bench.perf lora_merge --set full_route=false --set statistics=64    # and the statistics' cost
 
 With ``gram=activations`` (or ``mix``) the route forms ``C = B·Z`` from the adapters' factors and
 made-up activation Grams (rank 256, every weight) and solves ``k`` rows over Task Arithmetic; the
@@ -49,6 +50,8 @@ FULL_ROW = "bmm, full route (low_rank: false)"
 ADAPTER_ROW = "mergekit-bmm-lora (the bmm merge as one adapter)"
 REFERENCE_AGAIN = "Task Arithmetic, in the rounds of the rows below"
 TRIAL_ROW = "resident search trial (new λ, s; no evaluation)"
+DENSE_STATS_ROW = "statistics of one dense model (the base)"
+LORA_STATS_ROW = "statistics of every LoRA expert (BASE+ADAPTER)"
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -225,6 +228,27 @@ def _family(parameters: dict[str, Any], root: Path) -> tuple[Path, list[Path]]:
     )
 
 
+def statistics_job(root: Path, models: list[str], samples: int) -> Callable[[Path], object]:
+    """``mergekit-bmm-stats`` in this process: one task per model over the same made-up texts."""
+    from mergekit_bmm.examples.tiny_models import _CORPUS
+
+    data = root / "calibration.jsonl"
+    if not data.is_file():
+        words = list(_CORPUS)
+        lines = (" ".join(words[(7 * i + k) % len(words)] for k in range(96)) for i in range(samples))
+        data.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+
+    def run(out: Path) -> None:
+        from mergekit_bmm.stats.collect import collect_statistics
+        from mergekit_bmm.stats.config import parse_stats_config
+
+        tasks = [{"name": f"task-{i}", "model": model, "data": str(data)} for i, model in enumerate(models)]
+        config = {"tasks": tasks, "max_samples": samples, "max_length": 128}
+        collect_statistics(parse_stats_config(config), out, device="cpu", force=True, progress=False)
+
+    return run
+
+
 def build(parameters: dict[str, Any], root: Path) -> list[Group | Callable[[], Group]]:
     """The adapters' dense copies once; the route against Task Arithmetic; the heavy rows against
     Task Arithmetic of their own rounds; a resident trial last."""
@@ -248,13 +272,28 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group | Callable[[], G
     ]
     if "low_rank_rows" not in data:  # the k × k variant solves directly: its trials run on disk
         groups.append(lambda: Group([Job(TRIAL_ROW, resident_trial_job(route, root / "search"))]))
+    if parameters["statistics"]:  # what collecting the adapters' statistics costs against dense models'
+        dense = statistics_job(root, [str(base)], parameters["statistics"])
+        lora = statistics_job(root, [f"{base}+{a}" for a in adapters], parameters["statistics"])
+        groups.append(Group([Job(DENSE_STATS_ROW, dense), Job(LORA_STATS_ROW, lora, DENSE_STATS_ROW)]))
     return groups
 
 
 def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each route's relative error against a float64 full solve (the last rounds' outputs; data-free)."""
+    """Each route's relative error against a float64 full solve (the last rounds' outputs; data-free),
+    and the statistics of one LoRA expert against those of a dense model."""
+    found = {}
+    lora = next((row for row in rows if row["label"] == LORA_STATS_ROW), None)
+    if lora is not None and lora.get("ratio") is not None:
+        experts = parameters["experts"]
+        found["statistics per LoRA expert, × a dense model's"] = f"{lora['ratio'] / experts:.2f}"
     if parameters["gram"] != "data_free":
-        return {}
+        return found
+    return {**found, **_route_errors(parameters, root)}
+
+
+def _route_errors(parameters: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Each route's relative error against a float64 full solve (the last rounds' outputs)."""
     _, targets = _shape(parameters)
     base, adapters = _family(parameters, root)
     module = "down_proj" if "down_proj" in targets else targets[-1]
@@ -285,13 +324,14 @@ SHAPE = {
     "full_route": True,
     "gram": "data_free",
     "rows": "dense",  # with a data-assisted gram: `adapters` for `low_rank_rows: adapters`
+    "statistics": 0,  # > 0: also time mergekit-bmm-stats on this many texts, adapters against dense models
 }
 WORKLOAD = Workload(
     name="lora_merge",
     summary="LoRA experts: bmm's low-rank and full routes and mergekit-bmm-lora against Task Arithmetic",
     sizes={
         "full": {**SHAPE, "hidden": 1024, "layers": 4, "rounds": 7},
-        "quick": {**SHAPE, "hidden": 64, "layers": 1, "experts": 2, "rank": 4, "rounds": 1},
+        "quick": {**SHAPE, "hidden": 64, "layers": 1, "experts": 2, "rank": 4, "statistics": 4, "rounds": 1},
     },
     build=build,
     figures=figures,
