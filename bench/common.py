@@ -7,6 +7,7 @@ import json
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,6 +50,23 @@ def ensure_llama_family(
         del model
     marker.write_text(json.dumps(spec))
     return paths
+
+
+def write_corpus_texts(
+    path: Path, count: int, words: int | Callable[[int], int], stride: int = 1, offset: int = 0
+) -> Path:
+    """JSONL (``{"text": ...}``) of ``count`` made-up texts for statistics: text ``i`` is ``words``
+    (or ``words(i)``) consecutive words of the tiny corpus from word ``stride·i + offset``."""
+    from mergekit_bmm.examples.tiny_models import _CORPUS
+
+    size = len(_CORPUS)
+    with open(path, "w", encoding="utf-8") as handle:
+        for index in range(count):
+            length = words(index) if callable(words) else words
+            start = stride * index + offset
+            text = " ".join(_CORPUS[(start + k) % size] for k in range(length))
+            handle.write(json.dumps({"text": text}) + "\n")
+    return path
 
 
 def llama_config(

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import yaml
 
-from bench.common import llama_config
+from bench.common import llama_config, write_corpus_texts
 from bench.perf.harness import Group, Job, Workload
 
 ONCE_ROW = "adapters merged into the base (once)"
@@ -230,13 +230,7 @@ def _family(parameters: dict[str, Any], root: Path) -> tuple[Path, list[Path]]:
 
 def statistics_job(root: Path, models: list[str], samples: int) -> Callable[[Path], object]:
     """``mergekit-bmm-stats`` in this process: one task per model over the same made-up texts."""
-    from mergekit_bmm.examples.tiny_models import _CORPUS
-
-    data = root / "calibration.jsonl"
-    if not data.is_file():
-        words = list(_CORPUS)
-        lines = (" ".join(words[(7 * i + k) % len(words)] for k in range(96)) for i in range(samples))
-        data.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    data = write_corpus_texts(root / f"calibration-{samples}.jsonl", samples, 96, stride=7)
 
     def run(out: Path) -> None:
         from mergekit_bmm.stats.collect import collect_statistics

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from bench.common import write_corpus_texts
 from bench.perf.harness import Group, Job, Workload
 
 FORWARD = "one forward pass (same tokens)"
@@ -60,18 +61,6 @@ def _dtype(parameters: dict[str, Any]) -> torch.dtype:
     return torch.bfloat16 if parameters["device"].startswith("cuda") else torch.float32
 
 
-def write_text(path: Path, sequences: int, tokens: int) -> Path:
-    """JSONL of made-up texts long enough for ``tokens`` tokens each."""
-    from mergekit_bmm.examples.tiny_models import _CORPUS
-
-    with open(path, "w", encoding="utf-8") as handle:
-        for index in range(sequences):
-            start = (17 * index) % len(_CORPUS)
-            text = " ".join(_CORPUS[(start + k) % len(_CORPUS)] for k in range(tokens // 4))
-            handle.write(json.dumps({"text": text}) + "\n")
-    return path
-
-
 def _synchronised(parameters: dict[str, Any]) -> None:
     if parameters["device"].startswith("cuda"):
         torch.cuda.synchronize()
@@ -85,7 +74,9 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
 
     device, cuda = parameters["device"], parameters["device"].startswith("cuda")
     model_dir = make_model(root / f"mixtral-{parameters['hidden']}-{parameters['experts']}", parameters)
-    data = write_text(root / "text.jsonl", parameters["sequences"], parameters["tokens"])
+    data = write_corpus_texts(
+        root / "text.jsonl", parameters["sequences"], parameters["tokens"] // 4, stride=17
+    )
     settings = parse_stats_config(
         {
             "tasks": [{"name": "moe", "model": str(model_dir), "data": str(data)}],

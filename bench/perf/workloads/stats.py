@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from bench.common import write_corpus_texts
 from bench.perf.harness import Group, Job, Workload, fresh
 
 
@@ -45,14 +46,7 @@ def merge_job(config: dict[str, Any], device: str) -> Callable[[Path], object]:
 
 
 def write_data(path: Path, lines: int, offset: int) -> Path:
-    from mergekit_bmm.examples.tiny_models import _CORPUS
-
-    with open(path, "w", encoding="utf-8") as handle:
-        for index in range(lines):
-            count = 1 + (index + offset) % 4
-            text = " ".join(_CORPUS[(index + offset + k) % len(_CORPUS)] for k in range(count))
-            handle.write(json.dumps({"text": text}) + "\n")
-    return path
+    return write_corpus_texts(path, lines, lambda index: 1 + (index + offset) % 4, offset=offset)
 
 
 def recipe(family, gram: str, stats: Path | None) -> dict:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from bench.common import write_corpus_texts
 from bench.perf.harness import Group, Job, Workload, command
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Llama 3.x; "tiny" for the test suite)
@@ -74,13 +75,7 @@ def generate(folder: Path, shape: str, layers: int, experts: int) -> dict:
 
 def write_data(path: Path, samples: int, offset: int) -> Path:
     """Long texts (each well over ``max_length`` tokens) from the tiny corpus."""
-    from mergekit_bmm.examples.tiny_models import _CORPUS
-
-    with open(path, "w", encoding="utf-8") as handle:
-        for index in range(samples):
-            text = " ".join(_CORPUS[(index + offset + k) % len(_CORPUS)] for k in range(60))
-            handle.write(json.dumps({"text": text}) + "\n")
-    return path
+    return write_corpus_texts(path, samples, 60, offset=offset)
 
 
 def disk_gb(folder: Path) -> float:
