@@ -183,3 +183,14 @@ def test_compact_statistics_are_at_most_half_and_merge_the_same(samples, tiny_ll
         merged[name] = load_weights(tmp_path / f"merged-{name}")
     worst = max(relative_error(merged["v2"][key], merged["v1"][key]) for key in merged["v1"])
     assert worst <= 1e-5, worst
+
+
+@pytest.mark.parametrize("d_in", [1, 7, 511, 512, 513, 1100])
+def test_packed_gram_reads_back_bit_for_bit(d_in):
+    """The upper triangle stored, the whole symmetric matrix read (across the mirroring's blocks)."""
+    from mergekit_bmm.stats.gram_storage import pack, unpack
+
+    rows = torch.randn(d_in, 3 * d_in, generator=torch.Generator().manual_seed(d_in))
+    gram = rows @ rows.T
+    gram = (gram + gram.T) / 2  # exactly symmetric, as the collector's mean Gram is stored
+    assert torch.equal(unpack(pack(gram), d_in), gram)

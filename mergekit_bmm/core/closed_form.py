@@ -407,8 +407,8 @@ def ridge_factor(gram: torch.Tensor, ridge: float) -> RidgeFactor | None:
     if not _ridge_is_regular(ridge, diagonal_max, gram.shape[-1], gram.dtype):
         return None
     scaled = _ridge_dominates(ridge, diagonal_max)  # U (G/λ' + I) = C/λ' + U0
-    identity = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
-    system = gram * (1.0 / ridge) + identity if scaled else gram + ridge * identity
+    system = gram * (1.0 / ridge) if scaled else gram.clone()
+    system.diagonal().add_(1.0 if scaled else ridge)  # + I or + λ'I, without a dense identity
     factor, info = torch.linalg.cholesky_ex(system)
     return RidgeFactor(factor, ridge, scaled) if int(info) == 0 else None
 

@@ -71,7 +71,9 @@ def activation_factored(
     if any(g.shape != (d_in, d_in) for g in grams):
         raise TensorInputError(f"activation Grams must be {d_in} x {d_in} for this weight's adapters")
     grams = [g.to(dtype) for g in grams]
-    gram = sum(grams[1:], grams[0].clone())
+    gram = grams[0].clone()
+    for other in grams[1:]:  # in place: one d_in² buffer, not one per task
+        gram += other
     right = torch.cat([u.right.to(dtype) @ grams[u.expert] for u in updates], dim=0)
     return FactoredEquations(gram, _stacked_left(updates, dtype), right)
 

@@ -321,13 +321,17 @@ def read_task_gram(
     if part is None:
         raise StatisticsError(f"{where} lack the Gram {key}; re-run mergekit-bmm-stats")
     path = directory / GRAM_DIR / task.file / part
-    return _recent_grams.get(path, key, lambda: gram_storage.read_part_gram(path, key, where))
+    read = lambda: gram_storage.read_part_gram(path, key, where)  # noqa: E731
+    if list(manifest.modules.values()).count(key) < 2:  # one weight reads it: nothing to keep
+        return read()
+    return _recent_grams.get(path, key, read)
 
 
 class _RecentGrams:
     """The last Grams read, up to a byte budget: the weights that read one input (q, k, v; gate, up)
     are merged one after the other and share its stored Gram, which is then read and unpacked once.
-    Keyed by the part file (with its size and time) and the key; each caller gets its own copy."""
+    Keyed by the part file (with its size and time) and the key; each caller gets its own copy.
+    A Gram only one weight reads (o_proj, down_proj) bypasses it: keeping it would only copy it."""
 
     BUDGET = 512 * 2**20
 

@@ -13,12 +13,14 @@ reproduces the fill bit for bit; with ``compare_to`` (the ``--out`` folder of a 
 code) the largest relative difference ``‖W − W_before‖ / ‖W_before‖`` of any merged tensor for the
 fill, the trial and the default search boxes' worst corner (λ = 1e-3, s = 2.2), merged from float32
 inputs into float32 (bmm writes its inputs' dtype: bfloat16 rounding would hide the compute's error).
+``sharing=input`` merges with ``gram_sharing: input`` (q/k/v and gate/up one data-free Gram, one basis).
 
     python -m bench.perf cache_fit --out /tmp/cache-fit/after --set compare_to=/tmp/cache-fit/before
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -104,10 +106,14 @@ def statistics(root: Path, paths: dict) -> Path:
 ACCURACY = {"fill": {}, "trial": {"lambda": 0.05, "scale": 1.1}, "corner": {"lambda": 1e-3, "scale": 2.2}}
 
 
-def recipe(paths: dict, mode: str, stats: Path | None, dtype: str = "bfloat16", **extra) -> str:
+def recipe_text(
+    paths: dict, mode: str, stats: Path | None, dtype: str = "bfloat16", sharing: str = "weight", **extra
+) -> str:
     import yaml
 
     parameters = {"anchor_method": "task_arithmetic", "lambda": 0.1, "gram": mode, **extra}
+    if sharing != "weight":
+        parameters["gram_sharing"] = sharing
     if mode != "data_free":
         parameters["stats"] = str(stats)
     models = [{"model": str(p), "parameters": {"weight": 1 / 3}} for p in paths["experts"]]
@@ -149,13 +155,14 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def accuracy_merges(where: Path, paths: dict, mode: str, stats: Path | None) -> None:
+def accuracy_merges(where: Path, paths: dict, mode: str, stats: Path | None, sharing: str) -> None:
     """The fill, a trial and the default boxes' worst corner (λ 1e-3, s 2.2) with float32 inputs
     and outputs: bmm returns the inputs' dtype, so only float32 shows the compute's own error."""
     cache = fresh(where / "cache-float32")
     for what, settings in ACCURACY.items():
         merge(
-            recipe(paths, mode, stats, dtype="float32", cache=str(cache), **settings), where / f"f32-{what}"
+            recipe_text(paths, mode, stats, "float32", sharing, cache=str(cache), **settings),
+            where / f"f32-{what}",
         )
 
 
@@ -186,6 +193,7 @@ def _cases(parameters: dict[str, Any], root: Path):
 
 def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     groups = []
+    recipe = partial(recipe_text, sharing=parameters["sharing"])
     for name, mode, paths, stats in _cases(parameters, root):
         where = root / "cases" / name.replace(" ", "-").replace("%", "") / mode
         merge(
@@ -212,6 +220,7 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
 def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per family and mode: the cache against the model, the re-read, and Δ against an earlier run."""
     out: dict[str, Any] = {}
+    recipe = partial(recipe_text, sharing=parameters["sharing"])
     for name, mode, paths, stats in _cases(parameters, root):
         where = root / "cases" / name.replace(" ", "-").replace("%", "") / mode
         size, model = folder_bytes(where / "cache"), folder_bytes(paths["base"])
@@ -221,7 +230,7 @@ def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) 
         line = f"cache {size / 1e6:.1f} MB = {size / model:.2f} × the model; re-read "
         line += "equal" if same else "DIFFERS"
         if parameters["compare_to"]:
-            accuracy_merges(where, paths, mode, stats)
+            accuracy_merges(where, paths, mode, stats, parameters["sharing"])
             there = Path(parameters["compare_to"]) / "cases" / where.relative_to(root / "cases")
             line += "; Δ " + ", ".join(
                 f"{what} {largest_difference(where / f'f32-{what}', there / f'f32-{what}'):.1e}"
@@ -235,8 +244,22 @@ WORKLOAD = Workload(
     name="cache_fit",
     summary="bmm's factor cache: size against the model, fill and cached trial against an uncached merge",
     sizes={
-        "full": {"real_model": True, "hidden": 576, "layers": 30, "compare_to": "", "rounds": 3},
-        "quick": {"real_model": False, "hidden": 64, "layers": 1, "compare_to": "", "rounds": 1},
+        "full": {
+            "real_model": True,
+            "hidden": 576,
+            "layers": 30,
+            "sharing": "weight",
+            "compare_to": "",
+            "rounds": 3,
+        },
+        "quick": {
+            "real_model": False,
+            "hidden": 64,
+            "layers": 1,
+            "sharing": "weight",
+            "compare_to": "",
+            "rounds": 1,
+        },
     },
     build=build,
     figures=figures,
