@@ -10,6 +10,7 @@ from conftest import reference_solve, relative_error
 
 from mergekit_bmm.core import closed_form as cf
 from mergekit_bmm.core import normal_equations as ne
+from mergekit_bmm.core import ridge
 from mergekit_bmm.errors import ConfigError, TensorInputError
 
 SHAPES = [(12, 8), (8, 12), (24, 16), (16, 33)]
@@ -169,7 +170,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_a_tiny_positive_ridge_on_an_anisotropic_gram_is_named_not_called_lambda_zero(caplog, monkeypatch):
     """λ' = λ·mean eigenvalue below the Gram's numerical zero takes the λ → 0⁺ limit, and the one
     log line names that ridge instead of claiming λ was 0."""
-    monkeypatch.setattr(cf, "_noted_limit", False)
+    monkeypatch.setattr(ridge, "noted_limit", False)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(8, 64, generator=generator) * torch.logspace(
         0, -6, 64

@@ -30,82 +30,25 @@ scaled form ``U (G/λ' + I) = C/λ' + U0``, equal in exact arithmetic and finite
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, fields, replace
-from typing import Literal
 
 import torch
 
 from mergekit_bmm.core.evidence import AUTO_LAMBDA, EvidenceChoice, EvidenceTerms, choose, terms_of
 from mergekit_bmm.core.normal_equations import NormalEquations
+# The ridge's size and regularity live in core.ridge; LambdaMode, effective_ridge, eigenvalue_floor
+# and ridge_of are still importable from here, as before.
+from mergekit_bmm.core.ridge import (
+    LambdaMode,
+    diagonal_max,
+    effective_ridge,
+    eigenvalue_floor,
+    note_zero_ridge_limit,
+    ridge_dominates,
+    ridge_is_regular,
+    ridge_of,
+)
 from mergekit_bmm.errors import ConfigError, TensorInputError
-
-LambdaMode = Literal["relative", "absolute"]
-
-
-def ridge_of(lam: float, mean_eigenvalue: float, mode: LambdaMode = "relative") -> float:
-    """The ridge λ' added to ``G``: ``λ·tr(G)/d_in`` (relative) or ``λ`` (absolute), in float64.
-
-    ``G = 0`` (every expert equals the base) gives λ' = 0 in relative mode, whatever λ: the
-    solution is the anchor then for any ridge.
-    """
-    if lam < 0 or lam != lam:
-        raise ConfigError(f"lambda must be a number >= 0; got {lam}")
-    if mode == "relative":
-        return float(lam) * mean_eigenvalue if mean_eigenvalue > 0 else 0.0
-    if mode == "absolute":
-        return float(lam)
-    raise ConfigError(f"lambda_mode must be 'relative' or 'absolute'; got {mode!r}")
-
-
-def effective_ridge(lam: float, equations: NormalEquations, mode: LambdaMode = "relative") -> float:
-    """The ridge λ' actually added to ``G`` for these equations."""
-    return ridge_of(lam, equations.mean_eigenvalue, mode)
-
-
-_noted_limit = False
-
-
-def _note_zero_ridge_limit(ridge: float, tolerance: float) -> None:
-    """Say once per process that a ridge at or below ``G``'s numerical zero met a rank-deficient
-    ``G`` and the λ' → 0⁺ limit was used.
-
-    A positive λ gets here too: a small relative λ on a strongly anisotropic Gram (activation
-    Grams of real models span many decades) gives a ridge λ' = λ·mean eigenvalue below the
-    numerical zero ``eps · λ_max · d_in``; the message says so rather than "lambda 0".
-    """
-    global _noted_limit
-    if not _noted_limit:
-        _noted_limit = True
-        what = (
-            "lambda 0"
-            if ridge == 0
-            else f"a ridge lambda' = {ridge:.3g} at or below the Gram's numerical zero ({tolerance:.3g})"
-        )
-        logging.getLogger("mergekit_bmm").warning(
-            f"bmm: {what} with a rank-deficient Gram: directions the data do not reach keep the "
-            "anchor (the lambda -> 0+ limit, docs/numerics.md); said once"
-        )
-
-
-def _ridge_dominates(ridge: float, diagonal_max: float) -> bool:
-    """Whether λ' exceeds every diagonal entry of ``G``: then the scaled form is solved."""
-    return ridge > max(diagonal_max, 0.0)
-
-
-def eigenvalue_floor(eigenvalue_max: float, d_in: int, dtype: torch.dtype) -> float:
-    """Eigenvalues at or below this are numerically zero (numpy's pinv convention)."""
-    return max(eigenvalue_max, 0.0) * d_in * torch.finfo(dtype).eps
-
-
-def _diagonal_max(gram: torch.Tensor) -> float:
-    # max(diag) is a cheap stand-in for λ_max (within a factor d_in, no eigensolve).
-    return float(torch.diagonal(gram).max()) if gram.numel() else 0.0
-
-
-def _ridge_is_regular(ridge: float, diagonal_max: float, d_in: int, dtype: torch.dtype) -> bool:
-    """Whether ``G + λ'I`` is solved as is (True) or by the λ' → 0⁺ limit (False)."""
-    return ridge > eigenvalue_floor(diagonal_max, d_in, dtype)
 
 
 @dataclass(frozen=True)
@@ -249,7 +192,7 @@ def factors_in_basis(
         correction=correction,
         anchor=anchor,
         mean_eigenvalue=equations.mean_eigenvalue,
-        diagonal_max=_diagonal_max(equations.gram),
+        diagonal_max=diagonal_max(equations.gram),
         evidence=_evidence_terms(equations, anchor, cross, residual, eigenvalues, correction),
     )
 
@@ -304,12 +247,12 @@ def correction_weights(factors: EigenFactors, ridge: float, folded: bool = True)
     compute = eigenvalues.dtype
     scale = factors.diagonal_max if factors.diagonal_max is not None else float(eigenvalues.max())
     floor = factors.zero_floor
-    if _ridge_dominates(ridge, scale):  # a = (1/λ')/(1 + Λ/λ'): finite for any λ'
+    if ridge_dominates(ridge, scale):  # a = (1/λ')/(1 + Λ/λ'): finite for any λ'
         inverse = 1.0 / ridge
         weights = inverse / (1.0 + eigenvalues.clamp_min(0.0) * inverse)
     else:
         regular = (
-            ridge > floor if floor is not None else _ridge_is_regular(ridge, scale, factors.d_in, compute)
+            ridge > floor if floor is not None else ridge_is_regular(ridge, scale, factors.d_in, compute)
         )
         if regular:
             eigenvalues = eigenvalues.clamp_min(0.0)
@@ -319,7 +262,7 @@ def correction_weights(factors: EigenFactors, ridge: float, folded: bool = True)
             tolerance = floor if floor is not None else eigenvalue_floor(largest, factors.d_in, compute)
             kept = eigenvalues > tolerance
             if factors.rank < factors.d_in or not bool(kept.all()):
-                _note_zero_ridge_limit(ridge, tolerance)
+                note_zero_ridge_limit(ridge, tolerance)
         denominator = torch.where(kept, eigenvalues + ridge, torch.ones_like(eigenvalues))
         weights = torch.where(kept, 1.0 / denominator, torch.zeros_like(eigenvalues))
     if folded:
@@ -403,10 +346,10 @@ def ridge_factor(gram: torch.Tensor, ridge: float) -> RidgeFactor | None:
     numerical zero, a failed factorisation)."""
     if ridge < 0 or ridge != ridge:
         raise ConfigError(f"the effective ridge must be >= 0; got {ridge}")
-    diagonal_max = _diagonal_max(gram)
-    if not _ridge_is_regular(ridge, diagonal_max, gram.shape[-1], gram.dtype):
+    largest = diagonal_max(gram)
+    if not ridge_is_regular(ridge, largest, gram.shape[-1], gram.dtype):
         return None
-    scaled = _ridge_dominates(ridge, diagonal_max)  # U (G/λ' + I) = C/λ' + U0
+    scaled = ridge_dominates(ridge, largest)  # U (G/λ' + I) = C/λ' + U0
     system = gram * (1.0 / ridge) if scaled else gram.clone()
     system.diagonal().add_(1.0 if scaled else ridge)  # + I or + λ'I, without a dense identity
     factor, info = torch.linalg.cholesky_ex(system)
