@@ -26,6 +26,9 @@ of producing NaN.
 Large ridges: once λ' exceeds every diagonal entry of ``G`` the system is solved in its
 scaled form ``U (G/λ' + I) = C/λ' + U0``, equal in exact arithmetic and finite for any
 λ' (``λ' I`` itself overflows float32 near 3e38): the anchor is the limit λ → ∞.
+
+The ridge's size and regularity live in :mod:`mergekit_bmm.core.ridge`; ``LambdaMode``,
+``effective_ridge``, ``eigenvalue_floor`` and ``ridge_of`` are still importable from here.
 """
 
 from __future__ import annotations
@@ -36,8 +39,6 @@ import torch
 
 from mergekit_bmm.core.evidence import AUTO_LAMBDA, EvidenceChoice, EvidenceTerms, choose, terms_of
 from mergekit_bmm.core.normal_equations import NormalEquations
-# The ridge's size and regularity live in core.ridge; LambdaMode, effective_ridge, eigenvalue_floor
-# and ridge_of are still importable from here, as before.
 from mergekit_bmm.core.ridge import (
     LambdaMode,
     diagonal_max,
