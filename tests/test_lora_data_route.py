@@ -65,14 +65,14 @@ def _recipe(base, adapters, stats, **parameters) -> str:
     )
 
 
-def _expected(base, adapters, stats, name: str, gram: str) -> torch.Tensor:
+def _expected(base, adapters, stats, name: str, gram: str, lam: float = 0.05) -> torch.Tensor:
     vectors = _exact_updates(adapters, name.removesuffix(".weight"))
     grams = stored_grams(stats)
     task_grams = [grams[f"{base}+{adapter}"][name].double() for adapter in adapters]
     few = normal_equations.activation_equations(vectors, task_grams, F64)
     if gram == "mix":
         few = normal_equations.mix_equations(few, normal_equations.data_free_equations(vectors, F64), 0.5)
-    return closed_form.merge_matrix(few, 0.3 * sum(vectors), 0.05)
+    return closed_form.merge_matrix(few, 0.3 * sum(vectors), lam)
 
 
 @pytest.mark.parametrize("gram", ["activations", "mix"])
@@ -112,6 +112,30 @@ def test_the_full_route_the_cache_and_a_ties_anchor_agree_with_it(lora_stats, tm
         assert relative_error(merged["full"][name], merged["route"][name]) < 1e-5, name
         assert relative_error(merged["cached"][name], merged["route"][name]) < 1e-5, name
         assert relative_error(merged["ties full"][name], merged["ties"][name]) < 1e-5, name
+
+
+def test_the_cache_keeps_k_rows_and_trials_from_it_are_the_float64_closed_form(lora_stats, tmp_path):
+    """Over Task Arithmetic of the adapters the cache holds ``U = B·U_k``: ``B`` and ``k`` rows, not
+    ``out`` rows; a trial at a new λ from it is the float64 closed form, a re-read equals the fill."""
+    from safetensors import safe_open
+
+    base, adapters, stats = lora_stats
+    cache = tmp_path / "factors"
+    for label, lam in (("fill", 0.05), ("reread", 0.05), ("trial", 0.2)):
+        recipe = _recipe(base, adapters, stats, gram="activations", cache=str(cache), compute_dtype="float64")
+        merge_recipe_text(recipe.replace("lambda: 0.05", f"lambda: {lam}"), tmp_path / label)
+    fill, reread, trial = (load_weights(tmp_path / label) for label in ("fill", "reread", "trial"))
+    pre = load_weights(base)
+    names = sorted(read_record(tmp_path / "fill").low_rank)
+    assert names
+    for name in names:
+        assert torch.equal(fill[name], reread[name]), name
+        expected = _expected(base, adapters, stats, name, "activations", lam=0.2)
+        assert relative_error(trial[name].double() - pre[name].double(), expected) < 1e-6, name
+        entry = next(cache.glob(f"{name}.*.safetensors"))
+        with safe_open(str(entry), framework="pt") as handle:
+            rows, anchor = handle.get_tensor("rows"), handle.get_tensor("anchor")
+        assert rows.shape == (pre[name].shape[0], 2 + 3 + 4) and anchor.shape == (9, pre[name].shape[1])
 
 
 @pytest.mark.parametrize("off_diagonal_scale", [1.0, 0.5])
@@ -204,3 +228,46 @@ def test_the_adapter_out_holds_a_data_assisted_merge_exactly(lora_stats, tmp_pat
         key = f"base_model.model.{module.name.removesuffix('.weight')}"
         written = factors[f"{key}.lora_B.weight"].double() @ factors[f"{key}.lora_A.weight"].double()
         assert relative_error(written, merged[module.name].double() - pre[module.name].double()) < 1e-5
+
+
+def test_resident_trials_over_adapters_equal_their_merges(lora_stats, tmp_path):
+    """A search's resident trials re-merge the adapters' weights from the ``k``-row factors, equal to
+    the merges of the trials' recipes tensor for tensor."""
+    from pathlib import Path
+
+    from mergekit_bmm.evaluation.base import ModelLoading
+    from mergekit_bmm.plugin.run import merge_options
+    from mergekit_bmm.search import parse_search_config
+    from mergekit_bmm.search.experiment import prepare_experiment
+    from mergekit_bmm.search.resident import ParameterLookup, ResidentModel
+
+    base, adapters, stats = lora_stats
+    tests = Path(__file__).parent
+    evaluator = {"type": "python", "callable": "search_objectives:per_task_scores"}
+    evaluator["python_path"] = [str(tests)]
+    raw = {
+        "recipe": yaml.safe_load(_recipe(base, adapters, stats, gram="activations")),
+        "blocks": 1,
+        "evaluator": evaluator,
+        "lambda_range": [1e-3, 10.0],
+        "scale_range": [0.5, 1.5],
+    }
+    experiment = prepare_experiment(parse_search_config(raw, tests), tmp_path / "cache")
+    options = merge_options(None, quiet=True, device="cpu")
+    dimensions = experiment.space.dimensions
+    trials = [{d.name: d.low + share * (d.high - d.low) for d in dimensions} for share in (0.3, 0.7)]
+    loading = ModelLoading("auto", "float32")
+    resident = ResidentModel.load(
+        experiment.recipes.text(trials[0]), experiment.base_model, experiment.space, loading, options
+    )
+    lookup = ParameterLookup(resident.model)
+    for index, values in enumerate(trials):
+        resident.apply(values)
+        merge_recipe_text(experiment.recipes.text(values), tmp_path / f"trial-{index}", options)
+        merged = load_weights(tmp_path / f"trial-{index}")
+        compared = [name for name in read_record(tmp_path / f"trial-{index}").low_rank if name in merged]
+        assert compared
+        for name in compared:
+            assert torch.equal(lookup.get(name).to(merged[name].dtype), merged[name]), name
+    reread = resident.solved[compared[0]].reload()  # what a trial reads when factors do not fit
+    assert reread is not None and reread.rows is not None

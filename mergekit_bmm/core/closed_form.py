@@ -91,6 +91,10 @@ class EigenFactors:
     # lies in the span (the LoRA route's Task Arithmetic or base anchor): ``U`` is then one product.
     # Only on factors held in memory, whose basis carries no column scales.
     anchor_in_basis: torch.Tensor | None = None
+    # ``U = rows @ U_k`` (``d_out × k``): these factors are then those of a ``k``-row problem whose
+    # rows the update is a combination of (the LoRA data route's stacked ``B_t``; ``k = Σ r_t``), and
+    # a trial costs ``k × in × r`` plus ``out × k × in`` instead of ``out × in × r``.
+    rows: torch.Tensor | None = None
 
     @property
     def d_in(self) -> int:
@@ -295,11 +299,23 @@ def _weighted(factors: EigenFactors, ridge: float) -> torch.Tensor:
 
 def solve_from_factors(factors: EigenFactors, ridge: float) -> torch.Tensor:
     """``U(λ')`` from eigen factors (exact, including λ' = 0 on singular ``G``)."""
+    if factors.rows is not None:
+        inner = _row_update(factors, ridge)
+        return factors.rows.to(inner.dtype) @ inner
     weighted = _weighted(factors, ridge)
     basis = factors.basis.to(weighted.dtype)
     if factors.anchor is None:
         return weighted @ basis.T
     return torch.addmm(_anchor_plus(factors, None, 1.0, False), weighted, basis.T)
+
+
+def _row_update(factors: EigenFactors, ridge: float) -> torch.Tensor:
+    """The ``k`` rows' update ``U_k(λ')`` of factors with ``rows``, in one memory layout whatever
+    produced them (filled in memory or read back: BLAS's rounding follows the strides)."""
+    inner = replace(factors, rows=None)
+    weighted = _weighted(inner, ridge)
+    start = _anchor_plus(inner, None, 1.0, False)
+    return torch.addmm(start, weighted.contiguous(), inner.basis.to(weighted.dtype).T.contiguous())
 
 
 def weight_from_factors(
@@ -312,6 +328,12 @@ def weight_from_factors(
     base to a float32 product in one mixed-dtype pass measured slower than widening the
     base and rounding the result.)
     """
+    if factors.rows is not None:  # the k rows' update first, then one (out × k × in) product
+        inner = _row_update(factors, ridge)
+        rows = factors.rows.to(inner.dtype)
+        left, right = (inner.T, rows.T) if transposed else (rows, inner)
+        merged = torch.addmm(base.to(inner.dtype), left.contiguous(), right.contiguous(), alpha=scale)
+        return merged.to(base.dtype)
     weighted = _weighted(factors, ridge)
     basis = factors.basis.to(weighted.dtype)
     if factors.anchor is None:

@@ -56,7 +56,7 @@ from mergekit_bmm.merge_methods.factor_cache import key as cache_key
 from mergekit_bmm.merge_methods.factor_cache.fill import fill_exact_factors, fill_factors, thin_rank
 from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
 from mergekit_bmm.merge_methods.finite import check_finite, checked_base, checked_output
-from mergekit_bmm.merge_methods.lora_data_route import factored_equations, solve_factored
+from mergekit_bmm.merge_methods.lora_data_route import cached_row_factors, factored_equations, solve_factored
 from mergekit_bmm.merge_methods.lora_route import keeps_base, lora_updates, span_anchor
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
 from mergekit_bmm.merge_methods.pieces import (
@@ -273,14 +273,14 @@ class _Solve:
         """The experts' LoRA factors for this weight, or None for the full route (:mod:`.lora_route`)."""
         return lora_updates(self.settings, self.group, self.tasks, self.name, self.transpose, self.piece)
 
-    def _data_route_updates(self) -> list[LowRankUpdate] | None:
+    def data_route_updates(self) -> list[LowRankUpdate] | None:
         args = (self.settings, self.group, self.tasks, self.name, self.transpose, self.piece)
         return lora_updates(*args, data_assisted=True)
 
     def low_rank_data(self) -> tuple[list[LowRankUpdate], FactoredEquations | None] | None:
         """The data-assisted route over LoRA experts (:mod:`.lora_data_route`): the factors and the
         factored equations (None when no adapter touches the weight), or None for the full route."""
-        updates = self._data_route_updates()
+        updates = self.data_route_updates()
         if not updates:
             return None if updates is None else ([], None)
         d_in = self.orient(self.base).shape[1]
@@ -376,7 +376,7 @@ class _Solve:
 
     def cached(self, cache: FactorCache) -> torch.Tensor:
         settings, dtype = self.settings, self.settings.compute_dtype
-        if settings.low_rank_rows == "adapters" and self._data_route_updates() is not None:
+        if settings.low_rank_rows == "adapters" and self.data_route_updates() is not None:
             return self.direct()  # a k × k solve: cheaper than reading any cache entry
         key = cache_key.factor_key(settings, self.source, self.transpose)
         shape = tuple(self.orient(self.base).shape)
@@ -385,7 +385,8 @@ class _Solve:
             return self.untouched()
         if updates is not None:
             key = cache_key.with_route(key, "low_rank/3")  # 3: a Task Arithmetic anchor from the factors
-        factors = cache.load_factors(self.name, key, shape, dtype)
+        factors = cached_row_factors(cache, key, self) if updates is None else None  # k rows, data route
+        factors = factors or cache.load_factors(self.name, key, shape, dtype)
         if factors is not None and settings.lambda_auto and factors.evidence is None:
             factors = None  # an entry from before the evidence was stored: filled again
         if factors is None and updates is not None:
@@ -406,12 +407,11 @@ class _Solve:
         # entry was built, and its key ties it to that content.
         factors = factors.to(self.base.device)
         if solved_tensors.wants_factors():  # the search's resident trials are listening
-            reload = lambda: cache.load_factors(self.name, key, shape, dtype)  # noqa: E731
-            solved_tensors.report_factors(
-                FactoredTensor(
-                    self.name, factors, self.base, self.transpose, settings.lambda_mode, reload, self.piece
-                )
-            )
+            reload = partial(cached_row_factors, cache, key, self, False)  # the LoRA data route's k rows
+            if factors.rows is None:
+                reload = partial(cache.load_factors, self.name, key, shape, dtype)
+            found = (self.name, factors, self.base, self.transpose, settings.lambda_mode, reload, self.piece)
+            solved_tensors.report_factors(FactoredTensor(*found))
         ridge = self._chosen_ridge(factors)
         if not solved_tensors.active():
             return closed_form.weight_from_factors(factors, self.base, ridge, settings.scale, self.transpose)

@@ -9,11 +9,13 @@ from the dense copies mergekit made of the adapters. With an anchor that sums th
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol
 
 import torch
 from mergekit.merge_methods.base import TensorEntry
 
 from mergekit_bmm.core import closed_form
+from mergekit_bmm.core.closed_form import EigenFactors
 from mergekit_bmm.core.low_rank import LowRankUpdate, SpanAnchor
 from mergekit_bmm.core.low_rank_data import (
     FactoredEquations,
@@ -24,6 +26,11 @@ from mergekit_bmm.core.low_rank_data import (
 )
 from mergekit_bmm.core.normal_equations import NormalEquations
 from mergekit_bmm.merge_methods.bmm_parameters import BMMSettings
+from mergekit_bmm.merge_methods.factor_cache import key as cache_key
+from mergekit_bmm.merge_methods.factor_cache.fill import fill_row_factors
+from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
+from mergekit_bmm.merge_methods.lora_route import span_anchor
+from mergekit_bmm.merge_methods.merge_findings import note_low_rank
 from mergekit_bmm.merge_methods.pieces import statistics_name
 from mergekit_bmm.merge_methods.shared_factor import shared_factor
 
@@ -74,3 +81,43 @@ def solve_factored(
     dense = equations.dense()
     prior = dense_prior()
     return (factor.solve(dense.cross, prior) if factor else closed_form.solve(dense, prior, ridge)), ridge
+
+
+class DataRouteWeight(Protocol):
+    """What :func:`cached_row_factors` reads of the weight being merged (bmm's tensor task)."""
+
+    name: str
+    settings: BMMSettings
+    source: Any  # the anchor (AnchorSource)
+    base: torch.Tensor
+
+    def orient(self, matrix: torch.Tensor) -> torch.Tensor: ...
+    def data_route_updates(self) -> list[LowRankUpdate] | None: ...
+    def low_rank_data(self) -> tuple[list[LowRankUpdate], FactoredEquations | None] | None: ...
+
+
+def cached_row_factors(
+    cache: FactorCache, key: str, weight: DataRouteWeight, fill: bool = True
+) -> EigenFactors | None:
+    """The factor cache's entry for ``U = B·U_k`` over LoRA experts in a data-assisted mode and an
+    anchor in their span (read back, or filled from the factored equations unless ``fill`` is
+    False): a trial then costs ``k`` rows through the basis and one ``out × k × in`` product. None
+    for any other weight."""
+    updates = weight.data_route_updates()
+    shape = tuple(weight.orient(weight.base).shape)
+    span = span_anchor(weight.source, shape) if updates else None
+    if span is None:
+        return None
+    key, k = cache_key.with_route(key, "low_rank_data/1"), sum(u.rank for u in updates)
+    note_low_rank(weight.name, k)
+    dtype = weight.settings.compute_dtype
+    factors = cache.load_factors(weight.name, key, (k, shape[1]), dtype)
+    if factors is not None and factors.rows is not None and tuple(factors.rows.shape) == (shape[0], k):
+        return factors
+    if not fill:
+        return None
+    _, equations = weight.low_rank_data()
+    problem = NormalEquations(equations.gram, equations.right)  # the k rows, with the weight's G
+    prior = equations.in_span(updates, span.coefficients)
+    base = weight.orient(weight.base)
+    return fill_row_factors(cache, weight.name, key, problem, equations.left, prior, base, weight.settings)

@@ -124,6 +124,43 @@ def fill_exact_factors(
     return _store(cache, name, key, eigen, exact, base, settings)
 
 
+def fill_row_factors(
+    cache: FactorCache,
+    name: str,
+    key: str,
+    equations: NormalEquations,
+    rows: torch.Tensor,
+    prior: torch.Tensor,
+    base: torch.Tensor,
+    settings: BMMSettings,
+) -> EigenFactors:
+    """Store the factors of ``U = rows @ U_k`` under ``key``: ``equations`` and ``prior`` are the
+    ``k``-row problem (``G``, ``Z``, ``c⊙A``: the LoRA data route), ``rows`` the stacked ``B_t``.
+
+    ``G`` is diagonalised in float64 as for any weight (and shared with the other weights that read
+    its input); the ``k``-row correction and anchor and ``rows`` are small and kept in float32, and
+    the basis is stored in 16 bits when the budget allows it for the dense update they stand for.
+    """
+    compute = settings.compute_dtype
+    eigen = _eigen(cache_key.gram_key(equations.gram, None), equations, None)
+    eigenvalues = eigen.eigenvalues.to(compute).to(EXACT)  # as a read gives them
+    exact = closed_form.factors_in_basis(equations, prior, eigenvalues, eigen.vectors)
+    exact = replace(exact, evidence=None)  # k rows are not the weight's: no evidence for λ auto
+    chosen = dict.fromkeys(("anchor", "correction", "basis"), settings.cache_dtype or torch.float32)
+    if settings.cache_dtype is None:
+        budget = _budget(settings, exact, base)
+        dense = rows.to(EXACT) @ exact.correction  # the weight's own E Q: what the basis turns
+        columns = eigen.column_rounding(factor_precision.FIXED_POINT)
+        turned = float(((dense * budget.weights).norm(dim=0) * columns).norm())
+        if turned <= budget.allowance:
+            chosen["basis"] = factor_precision.FIXED_POINT
+    stored = _stored_basis(cache, eigen, chosen["basis"], compute)
+    scalars = {"mean_eigenvalue": exact.mean_eigenvalue, "diagonal_max": exact.diagonal_max}
+    return cache.store_factors(
+        name, key, stored, exact.correction, exact.anchor, chosen, scalars, compute, rows=rows
+    )
+
+
 def _store(
     cache: FactorCache,
     name: str,

@@ -62,6 +62,7 @@ OPTIONAL_SCALARS = ("zero_floor",)  # EigenFactors.zero_floor, where the produce
 COLUMN_ENERGY = "column_energy"
 SCALE_SUFFIX = ".scale"
 ANCHOR = "anchor"
+ROWS = "rows"  # U = rows @ (the entry's k-row update): the LoRA data route's stacked B_t, float32
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 _DTYPES = {str(dtype): dtype for dtype in (torch.int16, torch.float16, torch.float32, torch.float64)}
 _SIXTEEN_BITS = (torch.int16, torch.float16)  # kept as stored; their column scales fold into the solve
@@ -142,7 +143,9 @@ def _factors(
             rows=anchor.shape[0],
             mean_eigenvalue=scalars["mean_eigenvalue"],
         )
+    rows = tensors.get(ROWS)
     return EigenFactors(
+        rows=None if rows is None else rows.to(compute),
         basis=stored_basis,
         eigenvalues=basis.eigenvalues.to(compute),
         correction=correction,
@@ -236,13 +239,17 @@ class FactorCache:
         scalars: dict[str, float],
         compute: torch.dtype,
         evidence: EvidenceTerms | None = None,
+        rows: torch.Tensor | None = None,
     ) -> EigenFactors:
         """Write the correction and anchor rounded to their ``precisions`` (and the evidence's
-        terms, exact: O(r) numbers); return exactly what a later read gives (in ``compute``)."""
+        terms, exact: O(r) numbers; ``rows`` in float32); return exactly what a later read gives
+        (in ``compute``)."""
         tensors = {
             **_stored("correction", correction, precisions["correction"]),
             **_stored(ANCHOR, anchor, precisions["anchor"]),
         }
+        if rows is not None:
+            tensors[ROWS] = rows.to(torch.float32)
         scalars = dict(scalars)
         if evidence is not None:
             tensors[COLUMN_ENERGY] = evidence.column_energy.to(torch.float64)
