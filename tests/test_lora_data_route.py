@@ -114,7 +114,8 @@ def test_the_full_route_the_cache_and_a_ties_anchor_agree_with_it(lora_stats, tm
         assert relative_error(merged["ties full"][name], merged["ties"][name]) < 1e-5, name
 
 
-def test_the_cache_keeps_k_rows_and_trials_from_it_are_the_float64_closed_form(lora_stats, tmp_path):
+@pytest.mark.parametrize("gram", ["activations", "mix"])
+def test_the_cache_keeps_k_rows_and_trials_from_it_are_the_float64_closed_form(lora_stats, tmp_path, gram):
     """Over Task Arithmetic of the adapters the cache holds ``U = B·U_k``: ``B`` and ``k`` rows, not
     ``out`` rows; a trial at a new λ from it is the float64 closed form, a re-read equals the fill."""
     from safetensors import safe_open
@@ -122,7 +123,8 @@ def test_the_cache_keeps_k_rows_and_trials_from_it_are_the_float64_closed_form(l
     base, adapters, stats = lora_stats
     cache = tmp_path / "factors"
     for label, lam in (("fill", 0.05), ("reread", 0.05), ("trial", 0.2)):
-        recipe = _recipe(base, adapters, stats, gram="activations", cache=str(cache), compute_dtype="float64")
+        extra = {"gram": gram, "epsilon": 0.5, "cache": str(cache), "compute_dtype": "float64"}
+        recipe = _recipe(base, adapters, stats, **extra)
         merge_recipe_text(recipe.replace("lambda: 0.05", f"lambda: {lam}"), tmp_path / label)
     fill, reread, trial = (load_weights(tmp_path / label) for label in ("fill", "reread", "trial"))
     pre = load_weights(base)
@@ -130,7 +132,7 @@ def test_the_cache_keeps_k_rows_and_trials_from_it_are_the_float64_closed_form(l
     assert names
     for name in names:
         assert torch.equal(fill[name], reread[name]), name
-        expected = _expected(base, adapters, stats, name, "activations", lam=0.2)
+        expected = _expected(base, adapters, stats, name, gram, lam=0.2)
         assert relative_error(trial[name].double() - pre[name].double(), expected) < 1e-6, name
         entry = next(cache.glob(f"{name}.*.safetensors"))
         with safe_open(str(entry), framework="pt") as handle:
