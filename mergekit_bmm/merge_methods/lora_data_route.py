@@ -109,7 +109,8 @@ def cached_row_factors(
     if span is None:
         return None
     key, k = cache_key.with_route(key, "low_rank_data/1"), sum(u.rank for u in updates)
-    note_low_rank(weight.name, k)
+    if fill:  # a merge (a reload during a search's trial is not one)
+        note_low_rank(weight.name, k)
     dtype = weight.settings.compute_dtype
     factors = cache.load_factors(weight.name, key, (k, shape[1]), dtype)
     if factors is not None and factors.rows is not None and tuple(factors.rows.shape) == (shape[0], k):
