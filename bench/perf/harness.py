@@ -140,18 +140,40 @@ def _cpu_seconds() -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
+def _end_with_the_harness() -> None:
+    """In a command's child (Linux): a SIGTERM when the harness process ends, however it ends. A
+    merge left running by a killed harness went on writing into the folder of the next run's job."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the harness's own exceptions still stop it
+        pass
+
+
 def command(argv: list[str], env: dict[str, str] | None = None) -> dict[str, float]:
     """Run a command (a stock ``mergekit-yaml``, start-up included) to its end; its peak RSS and peak
     private memory in MiB (sampled every 50 ms) replace this process's as the job's memory. A failure
-    stops the workload with the command's last output."""
+    stops the workload with the command's last output; a harness that stops first stops it too."""
     import subprocess
 
     process = subprocess.Popen(
-        argv, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        argv,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=_end_with_the_harness,
     )
     sampler = PeakSampler("VmRSS", "RssAnon", pid=process.pid, interval=0.05)
-    output, _ = process.communicate()
-    peaks = sampler.stop()
+    try:
+        output, _ = process.communicate()
+    except BaseException:  # Ctrl-C, a timeout: the command goes with the harness
+        process.kill()
+        raise
+    finally:
+        peaks = sampler.stop()
     if process.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:2])} ... failed:\n{output[-3000:]}")
     return {"VmHWM": peaks["VmRSS"], "RssAnon": peaks["RssAnon"]}

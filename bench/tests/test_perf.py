@@ -4,6 +4,10 @@ so that none rots between the runs that report its figures."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -34,6 +38,34 @@ def test_the_protocol_alternates_writes_fresh_folders_and_pairs_rounds(tmp_path)
     assert rows["variant"]["min"] <= rows["variant"]["seconds"] <= rows["variant"]["max"]
     recorded = json.loads((tmp_path / "toy.json").read_text())
     assert recorded["machine"]["omp_wait_policy"] and recorded["machine"]["versions"]["torch"]
+
+
+def test_a_command_ends_when_its_harness_is_killed(tmp_path):
+    """A merge the harness started must not outlive it (it would write into a later run's folder)."""
+    pid_file = tmp_path / "child.pid"
+    child_code = tmp_path / "child.py"
+    child_code.write_text(
+        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
+    )
+    script = (
+        f"import sys; from bench.perf.harness import command; command([sys.executable, {str(child_code)!r}])"
+    )
+    harness = subprocess.Popen([sys.executable, "-c", script], cwd=os.getcwd())
+    for _ in range(400):
+        if pid_file.is_file() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    harness.kill()
+    harness.wait()
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(child, 9)
+    pytest.fail("the command outlived its harness")
 
 
 @pytest.mark.parametrize("name", workloads.names())
