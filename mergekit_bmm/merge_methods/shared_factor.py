@@ -56,6 +56,6 @@ def shared_input_key(settings: BMMSettings, name: str, tasks: Sequence[TensorEnt
     key = manifest.stored_key(statistics_name(name))
     # only an input that several weights read is worth keeping a factor for (not o_proj, down_proj,
     # an expert's slice): a kept factor is d_in² numbers
-    if key is None or key.endswith("]") or list(manifest.modules.values()).count(key) < 2:
+    if key is None or key.endswith("]") or manifest.readers(key) < 2:
         return None
     return (str(settings.stats), key, tuple(str(t.id) for t in tasks))

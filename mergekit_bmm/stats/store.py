@@ -151,6 +151,10 @@ class StatsManifest(BaseModel):
         candidates = self._by_local_name.get(local, [])
         return self.modules[candidates[0]] if len(candidates) == 1 else None
 
+    def readers(self, key: str) -> int:
+        """How many weights read the stored Gram ``key`` (q/k/v share one input's: 3)."""
+        return list(self.modules.values()).count(key)
+
     def task_for_model(self, model: Hashable, stats_dir: Path) -> TaskStats:
         """The task whose expert is ``model`` (a path, Hub id or mergekit ModelReference).
 
@@ -322,7 +326,7 @@ def read_task_gram(
         raise StatisticsError(f"{where} lack the Gram {key}; re-run mergekit-bmm-stats")
     path = directory / GRAM_DIR / task.file / part
     read = lambda: gram_storage.read_part_gram(path, key, where)  # noqa: E731
-    if list(manifest.modules.values()).count(key) < 2:  # one weight reads it: nothing to keep
+    if manifest.readers(key) < 2:  # one weight reads it: nothing to keep
         return read()
     return _recent_grams.get(path, key, read)
 
