@@ -1,34 +1,43 @@
 """The GPU check: bmm on an accelerator, measured, in one command (6.5 minutes on an H200).
 
-Six parts (the first four by default), each printed as a table and kept in ``--out`` (JSON):
+Parts, each printed as a table and kept in ``--out`` (JSON); the timed ones run performance workloads
+(``python -m bench.perf``) on ``--device``, on the harness's protocol:
 
 1. **accuracy** — bmm data-free, activations and mix, over ACE, and with ``task_balance:
    frobenius`` in the mix, merged on ``--device`` (float32 compute)
    against the float64 CPU merge of the same recipe: the largest relative error of any
    solved tensor's update ``W − W_pre`` (tiny Llama families; with ``--size full`` also
    the SmolLM2-135M shape). Activation statistics are random Grams in the real format.
-2. **speed** — the ``merge_speed`` workload's cases on the device: Task Arithmetic and TIES,
-   bmm over each, the cache fill and a cached trial, against the GEMM floors measured on the
-   same device in the same run.
+2. **speed** — the ``merge_speed`` workload on the device (SmolLM2-135M shape, random weights): Task
+   Arithmetic and TIES, bmm over each, the cache fill and a cached trial, against the GEMM floors.
 3. **search** — a resident search (one worker per GPU) scored by the mean log-likelihood
    of a few texts: trials per hour.
-4. **billion** — a Llama-3.2-1B-shaped family (hidden 2048, 16 layers, MLP 8192, 32 heads /
-   8 KV heads, bfloat16, T = 3, random weights made locally): Task Arithmetic and bmm
-   data-free, wall time, peak GPU memory and peak RSS.
+4. **billion** — the ``billion_merge`` workload on the device: a Llama-3.2-1B-shaped family (hidden
+   2048, 16 layers, MLP 8192, 32 heads / 8 KV heads, bfloat16, T = 3, random weights made locally),
+   Task Arithmetic and bmm data-free against the floors, peak GPU memory and RSS.
 5. **search3b** — part 3 on a Llama-3.2-3B-shaped family (hidden 3072, 28 layers, MLP 8192,
    24 heads / 8 KV heads, T = 3): the start-up (model load and factor-cache fill) and one
    resident trial's merge and evaluation, against the paper's ≈ 8 s of closed form per trial.
-6. **moe** — the ``moe_statistics`` workload (per-expert activation statistics at Mixtral's shape,
-   ``--size small``: its quick shape) on ``--device``: time against one forward, peak device memory,
-   passes, size on disk.
+6. **moe** — the ``moe_statistics`` workload (per-expert activation statistics at Mixtral's shape) on
+   ``--device``: time against one forward, peak device memory, passes, size on disk.
+7. **label_free** — a resident search with no labels (``evaluator: {type: agreement}``, three experts,
+   32 texts each) on the 1B shape: the experts' references, the start-up and each trial's merge and
+   evaluation.
+8. **lora** — the ``lora_merge`` workload at the Llama-3-8B shape (hidden 4096, MLP 14336, 2 layers,
+   three rank-16 adapters): the low-rank route data-free and data-assisted against Task Arithmetic of
+   the adapters, and a resident trial.
+9. **eight_b** — the ``billion_merge`` workload at full Llama-3-8B depth (hidden 4096, MLP 14336, 32
+   layers, 32 / 8 heads, T = 2: base, experts and one output fit a 64 GiB disk; each output deleted once
+   timed): Task Arithmetic and bmm data-free, peak GPU memory.
 
     python bench/gpu_check.py --device cuda --out bench/results/gpu-check.json     # on a GPU
+    python bench/gpu_check.py --device cuda --parts label_free,lora,moe,eight_b    # wave 6's list
     python bench/gpu_check.py --device cpu --size small                            # the CPU run (tested)
 
 ``--parts`` picks parts and their order; ``--out`` is rewritten after each part, so a check cut
-short keeps what it finished. ``--size small`` shrinks every shape (hidden 64, 2 layers; the "1B"
-family becomes hidden 256) so the whole check runs on a CPU in about a minute; the tables say which
-sizes they used.
+short keeps what it finished. ``--size small`` shrinks every shape (hidden 64, 2 layers; the
+workloads' quick sizes) so the whole check runs on a CPU in a few minutes; the tables say which
+sizes they used. ``bench/gpu/`` holds the one command for a bare GPU machine.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -45,8 +55,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 import torch  # noqa: E402
 
-from bench.common import ensure_llama_family, gemm_floor, solved_shapes  # noqa: E402
-from bench.perf.merges import DEFAULT_CACHE, closed_form_floor, merge_here, recipe, run_child  # noqa: E402
+from bench.common import ensure_llama_family, write_corpus_texts  # noqa: E402
+from bench.perf.merges import DEFAULT_CACHE, merge_here, recipe  # noqa: E402
 from mergekit_bmm.io.atomic import atomic_write_text  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads
@@ -63,6 +73,7 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads
         "3b": (3072, 8192, 28, 24, 8),
     },
 }
+EIGHT_B = {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8}  # Llama-3-8B's body
 CASES = (  # name, anchor, gram, extra bmm parameters: the three Grams, the ACE anchor, task balance
     ("data_free", "task_arithmetic", "data_free", {}),
     ("activations", "task_arithmetic", "activations", {}),
@@ -70,13 +81,17 @@ CASES = (  # name, anchor, gram, extra bmm parameters: the three Grams, the ACE 
     ("ace anchor", "ace", "data_free", {}),
     ("balance mix", "task_arithmetic", "mix", {"epsilon": 0.5, "task_balance": "frobenius"}),
 )
-PARTS = ("accuracy", "speed", "search", "billion", "search3b", "moe")
-DEFAULT_PARTS = PARTS[:4]  # search3b (a 23 GB family) and moe (3 GB) are asked for by name
+PARTS = ("accuracy", "speed", "search", "billion", "search3b", "moe", "label_free", "lora", "eight_b")
+DEFAULT_PARTS = PARTS[:4]  # the others (families of 3–45 GB) are asked for by name
 
 
-def family(models: Path, shape: tuple[int, int, int, int, int]) -> dict:
+def family(models: Path, shape: tuple[int, int, int, int, int], device: str = "cpu") -> dict:
+    """Base + three experts of ``shape``, made on ``device`` (a GPU makes a 3B family in seconds)."""
     hidden, intermediate, layers, heads, kv_heads = shape
-    return ensure_llama_family(models, hidden, intermediate, layers, 3, heads=heads, kv_heads=kv_heads)
+    made_on = device if device.startswith("cuda") else "cpu"
+    return ensure_llama_family(
+        models, hidden, intermediate, layers, 3, heads=heads, kv_heads=kv_heads, device=made_on
+    )
 
 
 def machine(device: str) -> str:
@@ -143,48 +158,95 @@ def accuracy(models: Path, scratch: Path, device: str, size: str) -> list[dict]:
     return rows
 
 
-# -- 2. speed -----------------------------------------------------------------------------
-def speed(models: Path, scratch: Path, device: str, size: str, only: list[str] | None = None) -> dict:
-    fam = family(models, SHAPES[size]["smollm2"] or SHAPES[size]["tiny"])
-    cases = {
-        "task_arithmetic": recipe(fam, "task_arithmetic"),
-        "ties": recipe(fam, "ties"),
-        "bmm over task_arithmetic": recipe(fam, "bmm", "task_arithmetic"),
-        "bmm over ties": recipe(fam, "bmm", "ties"),
-        "cache fill": recipe(fam, "bmm", "task_arithmetic", cache=str(scratch / "cache")),
-        "cached trial": recipe(fam, "bmm", "task_arithmetic", cache=str(scratch / "cache"), scale=1.1),
-    }
-    cases["cached trial"]["parameters"]["lambda"] = 0.05
-    unknown = sorted(set(only or ()) - set(cases))
-    if unknown:
-        raise SystemExit(
-            f"--speed-cases: unknown case(s) {', '.join(unknown)}; choose from {', '.join(cases)}"
-        )
-    rows = {}
-    for name, spec in cases.items():
-        if only and name not in only:
-            continue
-        print(f"  speed: {name} ...", flush=True)
-        rows[name] = run_child(
-            {"recipe": spec, "out": str(scratch / f"speed-{name.replace(' ', '_')}"), "device": device}
-        )
-    shapes = solved_shapes(Path(fam["base"]))
+# -- 2. speed, 4. billion, 6. moe, 8. lora, 9. eight_b: performance workloads on the device --------
+def workload(name: str, scratch: Path, device: str, size: str, full: dict | None = None, warmup: int = 1,
+             **always) -> dict:  # fmt: skip
+    """``python -m bench.perf NAME`` on ``device`` in a process of its own (nothing it holds, on the
+    GPU or in OpenMP's pool, reaches the next part): its full size with the shape ``full``, or its
+    quick size with ``small``; ``always``: settings of either size. Its folder (families, outputs) is
+    deleted when it ends: the next part needs the disk (the 8B family takes 42 GB)."""
+    import subprocess
+    import sys
+
+    folder = scratch / "-".join([name, *map(str, always.values())])
+    settings = {"device": device, **always, **((full or {}) if size == "full" else {})}
+    command = [sys.executable, "-m", "bench.perf", name, "--warmup", str(warmup), "--out", str(folder)]
+    command += [*(["--quick"] if size != "full" else []), *(f"--set={k}={v}" for k, v in settings.items())]
+    try:
+        with subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO
+        ) as run:
+            tail = []
+            for line in run.stdout:
+                print(f"  {name}: {line}", end="", flush=True)
+                tail = [*tail[-20:], line]
+        if run.returncode != 0:
+            raise RuntimeError(f"{name} failed:\n{''.join(tail)}")
+        return json.loads((folder / f"{name}.json").read_text())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def speed(scratch: Path, device: str, size: str) -> dict:
+    return workload(
+        "merge_speed", scratch, device, size, {"real_model": False, "depth": False, "wide": False}
+    )
+
+
+def billion(scratch: Path, device: str, size: str) -> dict:
+    return workload("billion_merge", scratch, device, size, {"depth": False, "cache_layers": 0}, warmup=0)
+
+
+def eight_b(scratch: Path, device: str, size: str) -> dict:
+    """Full-depth Llama-3-8B body, T = 2, made on the device; no warm-up (a run is minutes)."""
+    shape = {**EIGHT_B, "layers": 32, "experts": 2, "depth": False, "cache_layers": 0}
+    return workload("billion_merge", scratch, device, size, shape, warmup=0)
+
+
+def lora(scratch: Path, device: str, size: str) -> dict:
+    """The LoRA routes at the 8B shape (2 layers), data-free and data-assisted."""
+    shape = {"hidden": EIGHT_B["hidden"], "intermediate": EIGHT_B["intermediate"], "layers": 2}
+    shape.update(full_route=False, statistics=0, rounds=3)
     return {
-        "rows": rows,
-        "closed_form_floor_seconds": closed_form_floor(shapes, 3, device),
-        "fill_floor_seconds": closed_form_floor(shapes, 3, device, fill=True),
-        "gemm_floor_seconds": gemm_floor(shapes, 3, device),
+        gram: workload("lora_merge", scratch, device, size, shape, gram=gram)
+        for gram in ("data_free", "activations")
     }
 
 
-# -- 3. search ----------------------------------------------------------------------------
-def search(models: Path, scratch: Path, device: str, size: str, budget: int, shape: str = "smollm2") -> dict:
+def moe(scratch: Path, device: str, size: str) -> dict:
+    return workload("moe_statistics", scratch, device, size)
+
+
+# -- 3. search, 5. search3b, 7. label_free --------------------------------------------------
+def _agreement(fam: dict, folder: Path) -> dict:
+    """No labels: each expert's agreement with the merge on 32 texts of its own (made-up) task."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tasks = [
+        {"name": f"task-{i}", "model": str(expert),
+         "data": str(write_corpus_texts(folder / f"task-{i}.jsonl", 32, 200, stride=7, offset=50 * i))}
+        for i, expert in enumerate(fam["experts"])
+    ]  # fmt: skip
+    return {"type": "agreement", "tasks": tasks, "max_samples": 32, "max_length": 256}
+
+
+def search(
+    models: Path, scratch: Path, device: str, size: str, budget: int, shape: str = "smollm2",
+    label_free: bool = False,
+) -> dict:  # fmt: skip
     from bench.perf.workloads.search_throughput import texts
     from mergekit_bmm.search.config import parse_search_config
     from mergekit_bmm.search.loop import SearchOptions, run_search
 
-    fam = family(models, SHAPES[size][shape] or SHAPES[size]["tiny"])
+    fam = family(models, SHAPES[size][shape] or SHAPES[size]["tiny"], device)
     workers = max(1, torch.cuda.device_count()) if device.startswith("cuda") else 1
+    evaluator = {
+        "type": "python",
+        "callable": "bench.perf.workloads.search_throughput:mean_log_likelihood",
+        "python_path": [str(REPO)],
+        "args": {"texts": texts(16)},
+    }
+    if label_free:
+        evaluator = _agreement(fam, scratch / f"texts-{shape}")
     config = parse_search_config(
         {
             "recipe": recipe(fam, "bmm", "task_arithmetic"),
@@ -192,12 +254,7 @@ def search(models: Path, scratch: Path, device: str, size: str, budget: int, sha
             "budget": budget,
             "n_initial": min(4, budget),
             "parallel": {"workers": workers},
-            "evaluator": {
-                "type": "python",
-                "callable": "bench.perf.workloads.search_throughput:mean_log_likelihood",
-                "python_path": [str(REPO)],
-                "args": {"texts": texts(16)},
-            },
+            "evaluator": evaluator,
         },
         REPO,
     )
@@ -205,11 +262,14 @@ def search(models: Path, scratch: Path, device: str, size: str, budget: int, sha
     started = time.perf_counter()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    result = run_search(config, scratch / f"search-{shape}", options)
+    result = run_search(config, scratch / f"search-{shape}{'-label-free' if label_free else ''}", options)
     wall = time.perf_counter() - started
+    trials = sum(record.time.get("total", 0.0) for record in result.records)
     return {
         "shape": SHAPES[size][shape] or SHAPES[size]["tiny"],
+        "objective": "agreement (no labels)" if label_free else "mean log-likelihood",
         "startup_seconds": result.summary.startup_seconds,
+        "before_trials_seconds": wall - trials,  # references, model load, factors
         "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None,
         "workers": workers,
         "trials": len(result.records),
@@ -220,41 +280,12 @@ def search(models: Path, scratch: Path, device: str, size: str, budget: int, sha
     }
 
 
-# -- 4. billion ---------------------------------------------------------------------------
-def billion(models: Path, scratch: Path, device: str, size: str) -> dict:
-    fam = family(models, SHAPES[size]["billion"])
-    rows = {}
-    for name, spec in (
-        ("task_arithmetic", recipe(fam, "task_arithmetic")),
-        ("bmm data-free over task_arithmetic", recipe(fam, "bmm", "task_arithmetic")),
-    ):
-        print(f"  billion: {name} ...", flush=True)
-        rows[name] = run_child(
-            {"recipe": spec, "out": str(scratch / f"billion-{len(rows)}"), "device": device}
-        )
-    return {"shape": SHAPES[size]["billion"], "rows": rows}
-
-
-def moe(scratch: Path, device: str, size: str) -> dict:
-    """The ``moe_statistics`` workload on ``device`` (its full shape, or its quick one with ``small``)."""
-    from bench.perf.harness import run_workload
-    from bench.perf.workloads import workload
-
-    return run_workload(
-        workload("moe_statistics"),
-        "full" if size == "full" else "quick",
-        out_root=scratch / "moe",
-        overrides={"device": device},
-        echo=lambda line: print(f"  moe: {line}", flush=True),
-    )
-
-
 # -- the report ---------------------------------------------------------------------------
 def report(result: dict) -> str:
     """The tables of the parts that ran; a part that failed or did not run says so in one line."""
     lines = [f"GPU check on {result['machine']}, device {result['device']}, sizes {result['size']}"]
-    tables = {"accuracy": _accuracy_table, "speed": _speed_table, "search": _search_table,
-              "billion": _billion_table, "search3b": _search_table, "moe": _moe_table}  # fmt: skip
+    tables = {"accuracy": _accuracy_table, "search": _search_table, "search3b": _search_table,
+              "label_free": _search_table, "lora": _workload_tables}  # fmt: skip
     for part in PARTS:
         found = result.get(part)
         if found is None:
@@ -262,7 +293,7 @@ def report(result: dict) -> str:
         elif isinstance(found, dict) and "error" in found:
             lines += ["", f"{part}: failed: {found['error'].strip().splitlines()[-1]}"]
         else:
-            lines += ["", *tables[part](found)]
+            lines += ["", *tables.get(part, _workload_table)(found)]
     return "\n".join(lines)
 
 
@@ -275,27 +306,11 @@ def _accuracy_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _speed_table(speed_part: dict) -> list[str]:
-    floor = speed_part["closed_form_floor_seconds"]
-    lines = [f"{'speed':<34}{'seconds':>10}{'peak RSS MiB':>14}{'peak GPU MiB':>14}", "-" * 72]
-    for name, row in speed_part["rows"].items():
-        gpu = f"{row['peak_gpu_mib']:.0f}" if "peak_gpu_mib" in row else "-"
-        lines.append(f"{name:<34}{row['seconds']:>10.2f}{row['peak_rss_mib']:>14.0f}{gpu:>14}")
-    rows = speed_part["rows"]
-    lines.append(
-        f"closed-form floor {floor:.3f} s, fill floor {speed_part['fill_floor_seconds']:.3f} s, "
-        f"GEMM floor of a cached trial {speed_part['gemm_floor_seconds']:.3f} s"
-    )
-    if {"bmm over task_arithmetic", "task_arithmetic"} <= set(rows):  # both timed (--speed-cases)
-        extra = rows["bmm over task_arithmetic"]["seconds"] - rows["task_arithmetic"]["seconds"]
-        lines.append(f"bmm over TA = TA + {extra / floor:.2f} x floor")
-    return lines
-
-
 def _search_table(found: dict) -> list[str]:
     lines = [
-        f"search: {found['trials']} resident trials ({found['trials_mode']}) on {found['workers']} "
-        f"worker(s): {found['trials_per_hour']:.0f} trials/hour"
+        f"search ({found.get('objective', 'mean log-likelihood')}): {found['trials']} resident trials "
+        f"({found['trials_mode']}) on {found['workers']} worker(s): "
+        f"{found['trials_per_hour']:.0f} trials/hour"
     ]
     if "startup_seconds" in found:  # figures recorded since the 3B part
         hidden, intermediate, layers, _, _ = found["shape"]
@@ -304,28 +319,26 @@ def _search_table(found: dict) -> list[str]:
             f"  (hidden {hidden}, intermediate {intermediate}, {layers} layers, T = 3) start-up "
             f"{found['startup_seconds']:.1f} s; per trial: merge {mean.get('merge', 0):.2f} s, "
             f"evaluation {mean.get('evaluate', 0):.2f} s, GP {mean.get('surrogate', 0):.2f} s"
+            + (
+                f"; before the first trial {found['before_trials_seconds']:.1f} s"
+                if "before_trials_seconds" in found
+                else ""
+            )
+            + (f"; peak GPU {found['peak_gpu_mib']:.0f} MiB" if found.get("peak_gpu_mib") else "")
         )
     return lines
 
 
-def _billion_table(big: dict) -> list[str]:
-    hidden, intermediate, layers, _, _ = big["shape"]
-    lines = [f"{'1B-shaped merge':<40}{'seconds':>10}{'peak RSS MiB':>14}{'peak GPU MiB':>14}", "-" * 78]
-    for name, row in big["rows"].items():
-        gpu = f"{row['peak_gpu_mib']:.0f}" if "peak_gpu_mib" in row else "-"
-        lines.append(f"{name:<40}{row['seconds']:>10.2f}{row['peak_rss_mib']:>14.0f}{gpu:>14}")
-    lines.append(f"(hidden {hidden}, intermediate {intermediate}, {layers} layers, T = 3, bfloat16)")
-    return lines
-
-
-def _moe_table(found: dict) -> list[str]:
+def _workload_table(found: dict) -> list[str]:
+    """A performance workload's table and figures, as ``python -m bench.perf`` prints them."""
     from bench.perf.harness import table
 
-    return [table(found["rows"]), *(f"{key}: {value}" for key, value in found["figures"].items())]
+    notes = [f"{found['workload']} ({found['size']}): {found['parameters']}"]
+    return [*notes, table(found["rows"]), *(f"{key}: {value}" for key, value in found["figures"].items())]
 
 
-def _listed(text: str | None) -> list[str] | None:
-    return [item.strip() for item in text.split(",") if item.strip()] if text else None
+def _workload_tables(found: dict) -> list[str]:
+    return [line for one in found.values() for line in [*_workload_table(one), ""]]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -340,28 +353,34 @@ def main(argv: list[str] | None = None) -> dict:
         default=",".join(DEFAULT_PARTS),
         help=f"which parts to run, in this order (comma-separated; default: {','.join(DEFAULT_PARTS)})",
     )
-    parser.add_argument(
-        "--speed-cases",
-        default=None,
-        help="comma-separated cases of the speed part (default: all; `cached trial` reads the cache "
-        "that `cache fill` writes)",
-    )
+    parser.add_argument("--speed-cases", default=None, help=argparse.SUPPRESS)  # gone: one line says so
     args = parser.parse_args(argv)
     parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         parser.error(f"--parts: unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    if args.speed_cases is not None:
+        parser.error(
+            "--speed-cases is gone: the speed part is the merge_speed workload; time some of its cases "
+            "with `python -m bench.perf merge_speed --set device=...` (docs/performance.md)"
+        )
     size = args.size or ("full" if args.device.startswith("cuda") else "small")
     result: dict = {"device": args.device, "size": size, "machine": machine(args.device), "seconds": {}}
     with tempfile.TemporaryDirectory(prefix="bmm-gpu-check-") as scratch:
         scratch = Path(scratch)
+        device, models = args.device, args.models
         runners = {
-            "accuracy": lambda: accuracy(args.models, scratch, args.device, size),
-            "speed": lambda: speed(args.models, scratch, args.device, size, _listed(args.speed_cases)),
-            "search": lambda: search(args.models, scratch, args.device, size, args.budget),
-            "search3b": lambda: search(args.models, scratch, args.device, size, args.budget, "3b"),
-            "billion": lambda: billion(args.models, scratch, args.device, size),
-            "moe": lambda: moe(scratch, args.device, size),
+            "accuracy": lambda: accuracy(models, scratch, device, size),
+            "speed": lambda: speed(scratch, device, size),
+            "search": lambda: search(models, scratch, device, size, args.budget),
+            "search3b": lambda: search(models, scratch, device, size, args.budget, "3b"),
+            "billion": lambda: billion(scratch, device, size),
+            "moe": lambda: moe(scratch, device, size),
+            "label_free": lambda: search(
+                models, scratch, device, size, args.budget, "billion", label_free=True
+            ),
+            "lora": lambda: lora(scratch, device, size),
+            "eight_b": lambda: eight_b(scratch, device, size),
         }
         for part in parts:
             print(f"== {part}", flush=True)

@@ -11,7 +11,8 @@ generated models; the protocol is this module's, the same for every workload:
   and its baseline alternate who goes first and a slow spell falls on both;
 - warm-up rounds run first and are dropped;
 - each job: the median of its rounds with min and max, its ratio to its baseline as the median of
-  the rounds' own ratios (min, max), and its peak private memory (``RssAnon``) and RSS;
+  the rounds' own ratios (min, max), and its peak private memory (``RssAnon``) and RSS (and its peak
+  GPU memory, where it used the GPU);
 - a header with the machine and the library versions; the table is also written as JSON.
 """
 
@@ -57,6 +58,9 @@ class Group:
     warmup: int | None = None
     fork: bool = False
     threads: int | None = None
+    # each run's folder deleted once the run is measured (untimed): outputs nobody reads again that
+    # would not all fit on the disk (a full-depth 8B merge writes 15 GB a run)
+    discard: bool = False
 
 
 @dataclass
@@ -85,6 +89,7 @@ class Row:
     private_mib: float = 0.0
     rss_mib: float = 0.0
     private_growth_mib: float = 0.0  # over the level at the run's start
+    gpu_mib: float | None = None  # peak GPU memory allocated by torch, where the run used the GPU
     pending_cpu: float | None = None  # the last run's CPU seconds, kept once the round counts
 
     def summary(self) -> dict[str, Any]:
@@ -99,6 +104,8 @@ class Row:
             "private_growth_mib": round(self.private_growth_mib),
             "rss_mib": round(self.rss_mib),
         }
+        if self.gpu_mib is not None:
+            out["gpu_mib"] = round(self.gpu_mib)
         if self.ratios:
             out.update(
                 baseline=self.baseline,
@@ -119,16 +126,24 @@ def fresh(folder: Path) -> Path:
 def _measured(job: Job, out: Path) -> tuple[float, dict[str, float], float]:
     """(seconds, peaks, private MiB at the start) of one run of ``job`` in this process; a job that
     runs a command returns that process's peaks (:func:`command`), which replace this one's."""
+    import torch
+
     from bench.common import status_mib
 
     reset_peak_rss()
+    if torch.cuda.is_initialized():  # a flag: asking never starts CUDA (a process that forks must not)
+        torch.cuda.reset_peak_memory_stats()
     start = status_mib("RssAnon")
     sampler = PeakSampler("RssAnon", "VmHWM")
     cpu, started = _cpu_seconds(), time.perf_counter()
     with summaries_silenced():  # a merge's notes on what it kept at the anchor, once per run, are noise here
         returned = job.run(out)
+        if torch.cuda.is_initialized():  # the run used the GPU (perhaps first now): its work done
+            torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     peaks = {**sampler.stop(), "cpu": _cpu_seconds() - cpu}
+    if torch.cuda.is_initialized():
+        peaks["gpu"] = torch.cuda.max_memory_allocated() / 2**20
     if isinstance(returned, dict) and "VmHWM" in returned:
         return seconds, {**returned, "cpu": peaks["cpu"]}, 0.0
     return seconds, peaks, start
@@ -218,7 +233,11 @@ def _timed(job: Job, out: Path, row: Row, group: Group) -> float:
     row.private_mib = max(row.private_mib, peaks.get("RssAnon", 0.0))
     row.private_growth_mib = max(row.private_growth_mib, peaks.get("RssAnon", 0.0) - start)
     row.rss_mib = max(row.rss_mib, peaks.get("VmHWM", 0.0))
+    if peaks.get("gpu") is not None:
+        row.gpu_mib = max(row.gpu_mib or 0.0, peaks["gpu"])
     row.pending_cpu = peaks.get("cpu")
+    if group.discard:
+        shutil.rmtree(out, ignore_errors=True)
     return seconds
 
 
@@ -288,6 +307,7 @@ def header(workload: Workload, size: str, parameters: dict[str, Any], rounds: in
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
+    gpu = any("gpu_mib" in row for row in rows)
     header = [
         "job",
         "seconds [min, max]",
@@ -295,9 +315,10 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         "× baseline [min, max]",
         "peak private MiB (growth)",
         "peak RSS MiB",
+        *(["peak GPU MiB"] if gpu else []),
     ]
     lines = ["| " + " | ".join(header) + " |"]
-    lines.append("|---|---|---|---|---|---|")
+    lines.append("|" + "---|" * len(header))
     for row in rows:
         ratio = "—"
         if "ratio" in row:
@@ -306,7 +327,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         private = f"{row['private_mib']} (+{row['private_growth_mib']})" if row["private_mib"] else "—"
         lines.append(
             f"| {row['label']} | {row['seconds']:.3f} [{row['min']:.3f}, {row['max']:.3f}] | {cpu} | "
-            f"{ratio} | {private} | {row['rss_mib']} |"
+            f"{ratio} | {private} | {row['rss_mib']} |" + (f" {row.get('gpu_mib', '—')} |" if gpu else "")
         )
     return "\n".join(lines)
 

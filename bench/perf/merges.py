@@ -1,19 +1,16 @@
 """Merges and floors that several performance workloads share: the recipes of a generated family, one
-merge in this process or in a fresh one, and the GEMM floors of the data-free closed form."""
+merge in this process or in a fresh one (on any device), and the GEMM floors of the data-free closed form."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-from bench.common import PeakSampler, status_mib
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mergekit-bmm" / "bench"
 
@@ -53,35 +50,42 @@ def merge_here(recipe: dict, out: str, device: str, shard_bytes: int | None = No
     merge_recipe_text(yaml_text(recipe), out, options)
 
 
-def child(spec: dict) -> dict:
-    """One merge of ``spec["recipe"]`` in this (fresh) process: its time and peak memory."""
+def child(spec: dict) -> None:
+    """One merge of ``spec["recipe"]`` in this (fresh) process; on a GPU its peak memory (MiB) is
+    written to ``spec["result"]``."""
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     device = spec.get("device", "cpu")
-    private = PeakSampler("RssAnon")
-    started = time.perf_counter()
     merge_here(spec["recipe"], spec["out"], device, spec.get("shard_bytes"))
-    seconds = time.perf_counter() - started
-    result = {
-        "seconds": seconds,
-        "peak_rss_mib": status_mib("VmHWM"),
-        "peak_private_mib": private.stop()["RssAnon"],
-    }
     if device.startswith("cuda"):
-        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    return result
+        Path(spec["result"]).write_text(json.dumps({"gpu": torch.cuda.max_memory_allocated() / 2**20}))
 
 
-def run_child(spec: dict) -> dict:
-    """:func:`child` in a new interpreter (a GPU merge cannot run in a forked process)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump(spec, handle)
-    command = [sys.executable, "-m", "bench.perf.merges", handle.name]
-    done = subprocess.run(command, capture_output=True, text=True)
-    os.unlink(handle.name)
-    if done.returncode != 0:
-        raise SystemExit(f"merge failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def child_job(recipe: dict, device: str, shard_bytes: int | None = None):
+    """A harness job: one merge of ``recipe`` on ``device`` in a new interpreter (a GPU merge cannot
+    run in a forked process, and a stock ``mergekit-yaml`` may not be installed where it runs); its
+    peak RSS and private memory sampled by the harness, its peak GPU memory reported by the child."""
+    from bench.perf.harness import command
+
+    def run(out: Path) -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as scratch:
+            spec, result = Path(scratch) / "spec.json", Path(scratch) / "result.json"
+            spec.write_text(
+                json.dumps(
+                    {
+                        "recipe": recipe,
+                        "out": str(out),
+                        "device": device,
+                        "shard_bytes": shard_bytes,
+                        "result": str(result),
+                    }
+                )  # fmt: skip
+            )
+            peaks = command([sys.executable, "-m", "bench.perf.merges", str(spec)])
+            return {**peaks, **(json.loads(result.read_text()) if result.is_file() else {})}
+
+    return run
 
 
 def _clock(action, device: str, *args) -> float:
@@ -132,5 +136,5 @@ def _closed_form(vectors: list[torch.Tensor], anchor: torch.Tensor) -> torch.Ten
     return closed_form.merge_matrix(normal_equations.data_free_equations(vectors), anchor, 0.1)
 
 
-if __name__ == "__main__":  # run_child's process
-    print(json.dumps(child(json.loads(Path(sys.argv[1]).read_text()))))
+if __name__ == "__main__":  # child_job's process
+    child(json.loads(Path(sys.argv[1]).read_text()))

@@ -34,15 +34,12 @@ def test_gpu_check_accuracy_on_the_cpu_with_small_shapes(models, tmp_path):
     assert all(row["tensors"] > 0 and row["max_relative_error"] < 1e-4 for row in accuracy)
 
 
-@pytest.mark.parametrize(
-    "cases",  # each case is a merge in a child process: two halves, so no test runs past 30 s
-    ["task_arithmetic,ties,bmm over task_arithmetic", "bmm over ties,cache fill,cached trial"],
-)
-def test_gpu_check_speed_on_the_cpu_with_small_shapes(models, tmp_path, cases):
-    speed = _check(models, tmp_path / "check.json", "speed", "--speed-cases", cases)
-    assert set(speed["rows"]) == set(cases.split(","))
-    assert all(row["seconds"] > 0 for row in speed["rows"].values())
-    assert speed["gemm_floor_seconds"] > 0
+def test_gpu_check_speed_runs_the_merge_speed_workload_on_the_device(models, tmp_path):
+    speed = _check(models, tmp_path / "check.json", "speed")
+    assert speed["workload"] == "merge_speed" and speed["parameters"]["device"] == "cpu"
+    labels = {row["label"] for row in speed["rows"]}
+    assert {"task_arithmetic", "bmm over task_arithmetic", "cached trial (new λ and s)"} <= labels
+    assert all(row["seconds"] > 0 for row in speed["rows"])
 
 
 def test_gpu_check_search_on_the_cpu_with_small_shapes(models, tmp_path):
@@ -50,9 +47,23 @@ def test_gpu_check_search_on_the_cpu_with_small_shapes(models, tmp_path):
     assert search["trials"] == 2 and search["trials_mode"] == "memory"
 
 
-def test_gpu_check_billion_on_the_cpu_with_small_shapes(models, tmp_path):
-    billion = _check(models, tmp_path / "check.json", "billion")
-    assert set(billion["rows"]) == {"task_arithmetic", "bmm data-free over task_arithmetic"}
+@pytest.mark.parametrize("part", ["billion", "eight_b"])
+def test_gpu_check_billion_and_eight_b_run_the_billion_merge_workload(models, tmp_path, part):
+    found = _check(models, tmp_path / f"{part}.json", part)
+    assert found["workload"] == "billion_merge"
+    assert {"task_arithmetic", "bmm data-free"} <= {row["label"] for row in found["rows"]}
+
+
+def test_gpu_check_label_free_search(models, tmp_path):
+    label_free = _check(models, tmp_path / "label-free.json", "label_free")
+    assert label_free["objective"] == "agreement (no labels)" and label_free["trials"] == 2
+    assert label_free["before_trials_seconds"] > 0
+
+
+def test_gpu_check_lora_routes_data_free_and_data_assisted(models, tmp_path):
+    lora = _check(models, tmp_path / "lora.json", "lora")
+    assert set(lora) == {"data_free", "activations"}
+    assert {lora[g]["parameters"]["gram"] for g in lora} == {"data_free", "activations"}
 
 
 def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path):
@@ -86,3 +97,11 @@ def test_gpu_check_moe_statistics_on_the_cpu_with_small_shapes(models, tmp_path)
     assert collect["seconds"] > 0 and collect["baseline"].startswith("one forward pass")
     assert moe["figures"]["expert slices without a token"].endswith(f"of {2 * 2 * 4}")
     assert moe["figures"]["passes planned"] >= 1
+
+
+def test_the_retired_speed_cases_option_says_where_to_go(capsys):
+    from bench.gpu_check import main
+
+    with pytest.raises(SystemExit):
+        main(["--parts", "speed", "--speed-cases", "ties"])
+    assert "--speed-cases is gone" in capsys.readouterr().err

@@ -128,16 +128,18 @@ def perturb_as_expert(
     their spread) along a rank-``rank`` update; every tensor also gets dense noise ``noise``
     times its spread.
     """
-    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device  # a model made on a GPU is perturbed there (8B shapes)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    draw = {"generator": generator, "device": device}
     with torch.no_grad():
         for _, parameter in model.named_parameters():
             spread = parameter.std() if parameter.numel() > 1 else parameter.abs().mean()
-            delta = noise * float(spread or 1.0) * torch.randn(parameter.shape, generator=generator)
+            delta = noise * float(spread or 1.0) * torch.randn(parameter.shape, **draw)
             if parameter.ndim in (2, 3) and min(parameter.shape[-2:]) > rank:
                 # one update per matrix; a mixture-of-experts stack (E, out, in) gets one per expert
                 stack = parameter.shape[:-2]
-                left = torch.randn(*stack, parameter.shape[-2], rank, generator=generator)
-                right = torch.randn(*stack, rank, parameter.shape[-1], generator=generator)
+                left = torch.randn(*stack, parameter.shape[-2], rank, **draw)
+                right = torch.randn(*stack, rank, parameter.shape[-1], **draw)
                 # entries of left @ right / sqrt(rank) are ~N(0, 1)
                 delta += strength * parameter.std() * (left @ right) / rank**0.5
             parameter.add_(delta.to(parameter.dtype))

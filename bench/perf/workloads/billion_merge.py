@@ -4,7 +4,8 @@ A Llama-3.2-1B-shaped family (hidden 2048, 16 layers, MLP 8192, 32 heads / 8 KV 
 0.97 B weights; a 320-token vocabulary keeps the embeddings out of the picture), bfloat16, T = 3
 random experts made locally. Every merge is a separate ``mergekit-yaml --lazy-unpickle`` process
 (what a user runs), sampled every 50 ms for its peak RSS and peak private memory, on the harness's
-protocol (:mod:`bench.perf.harness`; a run resumes from its finished groups). Groups:
+protocol (:mod:`bench.perf.harness`; a run resumes from its finished groups); a merge's output is
+deleted once it is measured. Groups:
 
 * Task Arithmetic, and bmm over it (data-free, λ = 0.1, no cache) against it;
 * the GEMM floors measured in this process: the closed form's bare products (Grams, cross terms,
@@ -18,6 +19,13 @@ parameters: the whole model here); the runs pass ``--out-shard-size 250M`` so th
 (about 0.5 GB in bfloat16) and the private column shows what the merge itself holds.
 
     python -m bench.perf billion_merge --out /work/perf-billion      # about 1.5 hours on 2 cores
+
+With ``device=cuda`` the family is made on the GPU and every merge is a fresh interpreter merging on
+it through mergekit's ``run_merge`` (a GPU machine may have no ``mergekit-yaml`` installed), with its
+peak GPU memory; ``experts`` sets T. A full-depth Llama-3-8B shape (the GPU check's part ``eight_b``):
+
+    python -m bench.perf billion_merge --set device=cuda --set hidden=4096 --set intermediate=14336 \
+        --set layers=32 --set experts=2 --set depth=false --set cache_layers=0
 """
 
 from __future__ import annotations
@@ -30,32 +38,37 @@ import yaml
 
 from bench.common import ensure_llama_family, gemm_floor, solved_shapes
 from bench.perf.harness import Group, Job, Workload, command
-from bench.perf.merges import closed_form_floor, recipe
+from bench.perf.merges import child_job, closed_form_floor, recipe
 
 SHAPE = {"hidden": 2048, "intermediate": 8192, "heads": 32, "kv_heads": 8}
 SHARD = "250M"
 
 
-def family(models: Path, layers: int, shape: dict[str, int]) -> dict:
+def family(models: Path, layers: int, shape: dict[str, Any]) -> dict:
     return ensure_llama_family(
         models,
         shape["hidden"],
         shape["intermediate"],
         layers,
-        3,
+        shape["experts"],
         heads=shape["heads"],
         kv_heads=shape["kv_heads"],
+        device=shape["device"],
     )
 
 
-def mergekit_yaml(config: dict, work: Path, name: str, into: str = ""):
-    """A job: one stock ``mergekit-yaml`` run of ``config`` into the run's folder (or ``into`` in it)."""
+def mergekit_yaml(config: dict, work: Path, name: str, into: str = "", device: str = "cpu"):
+    """A job: one stock ``mergekit-yaml`` run of ``config`` into the run's folder (or ``into`` in it);
+    on a GPU, or where mergekit is not installed as a command, the same merge in a fresh interpreter."""
+    executable = Path(sys.executable).with_name("mergekit-yaml")
+    if device != "cpu" or not executable.is_file():
+        job = child_job(config, device, shard_bytes=250_000_000)
+        return lambda out: job(out / into if into else out)
     work.mkdir(parents=True, exist_ok=True)
     path = work / f"{name}.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    executable = str(Path(sys.executable).with_name("mergekit-yaml"))
     flags = ["--lazy-unpickle", "--out-shard-size", SHARD, "--no-copy-tokenizer", "--quiet"]
-    return lambda out: command([executable, str(path), str(out / into if into else out), *flags])
+    return lambda out: command([str(executable), str(path), str(out / into if into else out), *flags])
 
 
 def folder_gib(path: Path) -> float:
@@ -68,44 +81,49 @@ def _weights(base: Path) -> int:
     return sum(tensor.numel() for _, tensor in iter_tensors(Path(base)))
 
 
-def _shape(parameters: dict[str, Any]) -> dict[str, int]:
-    return {key: parameters[key] for key in ("hidden", "intermediate", "heads", "kv_heads")}
+def _shape(parameters: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: parameters[key] for key in ("hidden", "intermediate", "heads", "kv_heads", "experts", "device")
+    }
 
 
 def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     models, work, shape = root / "models", root / "recipes", _shape(parameters)
+    device = shape["device"]
     deep = family(models, parameters["layers"], shape)
     shapes = solved_shapes(Path(deep["base"]))
     ta = "task_arithmetic"
+
+    def merge(config: dict, name: str, into: str = ""):
+        return mergekit_yaml(config, work, name, into, device)
+
     groups = [
         Group(
             [
-                Job(ta, mergekit_yaml(recipe(deep, ta), work, "ta")),
-                Job("bmm data-free", mergekit_yaml(recipe(deep, "bmm", ta), work, "bmm"), ta),
+                Job(ta, merge(recipe(deep, ta), "ta")),
+                Job("bmm data-free", merge(recipe(deep, "bmm", ta), "bmm"), ta),
             ],
             rounds=1,
+            discard=True,
         ),
         Group(
             [
-                Job("GEMM floor of the closed form", lambda out: closed_form_floor(shapes, 3)),
-                Job("GEMM floor of a cached trial", lambda out: gemm_floor(shapes, 1)),
+                Job("GEMM floor of the closed form", lambda out: closed_form_floor(shapes, 3, device)),
+                Job("GEMM floor of a cached trial", lambda out: gemm_floor(shapes, 1, device)),
             ],
             rounds=1,
         ),
     ]
     if parameters["depth"]:
-        shallow = family(models, 4, shape)
+        shallow, label = family(models, 4, shape), "depth 4: task_arithmetic"
         groups.append(
             Group(
                 [
-                    Job("depth 4: task_arithmetic", mergekit_yaml(recipe(shallow, ta), work, "ta-4")),
-                    Job(
-                        "depth 4: bmm data-free",
-                        mergekit_yaml(recipe(shallow, "bmm", ta), work, "bmm-4"),
-                        "depth 4: task_arithmetic",
-                    ),
+                    Job(label, merge(recipe(shallow, ta), "ta-4")),
+                    Job("depth 4: bmm data-free", merge(recipe(shallow, "bmm", ta), "bmm-4"), label),
                 ],
                 rounds=1,
+                discard=True,
             )
         )
     if parameters["cache_layers"]:
@@ -119,8 +137,8 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
         groups.append(
             Group(
                 [
-                    Job("bmm cache fill", mergekit_yaml(fill, work, "fill", into="model")),
-                    Job("bmm cached trial", mergekit_yaml(trial, work, "trial"), "bmm cache fill"),
+                    Job("bmm cache fill", merge(fill, "fill", into="model")),
+                    Job("bmm cached trial", merge(trial, "trial"), "bmm cache fill"),
                 ],
                 rounds=1,
                 warmup=0,
@@ -176,6 +194,8 @@ WORKLOAD = Workload(
             "layers": 16,
             "cache_layers": 16,
             "depth": True,
+            "experts": 3,
+            "device": "cpu",
             "rounds": 1,
         },
         "quick": {
@@ -186,13 +206,20 @@ WORKLOAD = Workload(
             "layers": 2,
             "cache_layers": 0,
             "depth": False,
+            "experts": 3,
+            "device": "cpu",
             "rounds": 1,
         },
     },
     build=build,
     figures=figures,
     notes=lambda p: (
-        f"Llama body, hidden {p['hidden']}, MLP {p['intermediate']}, {p['layers']} layers, T = 3, "
-        f"bfloat16, stock mergekit-yaml --lazy-unpickle --out-shard-size {SHARD}"
+        f"Llama body, hidden {p['hidden']}, MLP {p['intermediate']}, {p['layers']} layers, "
+        f"T = {p['experts']}, bfloat16, "
+        + (
+            f"stock mergekit-yaml --lazy-unpickle --out-shard-size {SHARD}"
+            if p["device"] == "cpu"
+            else f"run_merge on {p['device']} in a fresh interpreter, {SHARD} shards"
+        )
     ),
 )

@@ -123,14 +123,14 @@ def recipe(base: Path, adapters: list[Path], method: str, **parameters) -> str:
     return yaml.safe_dump(body)
 
 
-def merge_job(text: str) -> Callable[[Path], object]:
+def merge_job(text: str, device: str) -> Callable[[Path], object]:
     """A merge through mergekit's ``run_merge`` in this process (with the plugin's record and card)."""
-    from mergekit_bmm.plugin.run import merge_recipe_text
+    from mergekit_bmm.plugin.run import merge_options, merge_recipe_text
 
-    return lambda out: merge_recipe_text(text, out)
+    return lambda out: merge_recipe_text(text, out, merge_options(None, quiet=True, device=device))
 
 
-def adapter_job(text: str, work: Path) -> Callable[[Path], object]:
+def adapter_job(text: str, work: Path, device: str) -> Callable[[Path], object]:
     """``mergekit-bmm-lora RECIPE OUT_PATH`` in this process: the merge written as one PEFT adapter."""
     from mergekit_bmm.cli.lora import write_adapter
     from mergekit_bmm.plugin.run import merge_options
@@ -138,11 +138,11 @@ def adapter_job(text: str, work: Path) -> Callable[[Path], object]:
     path = work / "adapter-recipe.yml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    options = merge_options(None, quiet=True, device="cpu")
+    options = merge_options(None, quiet=True, device=device)
     return lambda out: write_adapter(path, out, options, None, force=True)
 
 
-def resident_trial_job(text: str, work: Path) -> Callable[[Path], object]:
+def resident_trial_job(text: str, work: Path, device: str) -> Callable[[Path], object]:
     """One resident search trial: new λ and s merged in place into a loaded model from the factors
     of the adapters' subspace (the search's default when the model fits). Loading and the first
     merge (which fills the factor cache) happen here, once, untimed."""
@@ -170,7 +170,7 @@ def resident_trial_job(text: str, work: Path) -> Callable[[Path], object]:
         {d.name: d.low + share * (d.high - d.low) for d in experiment.space.dimensions}
         for share in (0.3, 0.7)
     ]
-    options = merge_options(None, quiet=True, device="cpu")
+    options = merge_options(None, quiet=True, device=device)
     resident = ResidentModel.load(
         experiment.recipes.text(values[0]),
         experiment.base_model,
@@ -228,7 +228,7 @@ def _family(parameters: dict[str, Any], root: Path) -> tuple[Path, list[Path]]:
     )
 
 
-def statistics_job(root: Path, models: list[str], samples: int) -> Callable[[Path], object]:
+def statistics_job(root: Path, models: list[str], samples: int, device: str) -> Callable[[Path], object]:
     """``mergekit-bmm-stats`` in this process: one task per model over the same made-up texts."""
     data = write_corpus_texts(root / f"calibration-{samples}.jsonl", samples, 96, stride=7)
 
@@ -238,7 +238,7 @@ def statistics_job(root: Path, models: list[str], samples: int) -> Callable[[Pat
 
         tasks = [{"name": f"task-{i}", "model": model, "data": str(data)} for i, model in enumerate(models)]
         config = {"tasks": tasks, "max_samples": samples, "max_length": 128}
-        collect_statistics(parse_stats_config(config), out, device="cpu", force=True, progress=False)
+        collect_statistics(parse_stats_config(config), out, device=device, force=True, progress=False)
 
     return run
 
@@ -253,22 +253,24 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group | Callable[[], G
         data = {"gram": parameters["gram"], "stats": str(lora_stats(root / "models", base, adapters))}
         if parameters["rows"] == "adapters":  # the update's rows kept in the span of the A_t: k × k solves
             data["low_rank_rows"] = "adapters"
+    device = parameters["device"]
     ta, route = recipe(base, adapters, "task_arithmetic"), recipe(base, adapters, "bmm", **data)
-    heavy = [Job(REFERENCE_AGAIN, merge_job(ta))]
+    heavy = [Job(REFERENCE_AGAIN, merge_job(ta, device))]
     if parameters["full_route"]:
         full = recipe(base, adapters, "bmm", low_rank=False, **data)
-        heavy.append(Job(FULL_ROW, merge_job(full), REFERENCE_AGAIN))
-    heavy.append(Job(ADAPTER_ROW, adapter_job(route, root / "work"), REFERENCE_AGAIN))
+        heavy.append(Job(FULL_ROW, merge_job(full, device), REFERENCE_AGAIN))
+    heavy.append(Job(ADAPTER_ROW, adapter_job(route, root / "work", device), REFERENCE_AGAIN))
     groups: list[Group | Callable[[], Group]] = [
-        Group([Job(ONCE_ROW, merge_job(ta))], rounds=1, warmup=0),
-        Group([Job(TA_ROW, merge_job(ta)), Job(ROUTE_ROW, merge_job(route), TA_ROW)]),
+        Group([Job(ONCE_ROW, merge_job(ta, device))], rounds=1, warmup=0),
+        Group([Job(TA_ROW, merge_job(ta, device)), Job(ROUTE_ROW, merge_job(route, device), TA_ROW)]),
         Group(heavy),
     ]
     if "low_rank_rows" not in data:  # the k × k variant solves directly: its trials run on disk
-        groups.append(lambda: Group([Job(TRIAL_ROW, resident_trial_job(route, root / "search"))]))
+        trial = resident_trial_job
+        groups.append(lambda: Group([Job(TRIAL_ROW, trial(route, root / "search", device))]))
     if parameters["statistics"]:  # what collecting the adapters' statistics costs against dense models'
-        dense = statistics_job(root, [str(base)], parameters["statistics"])
-        lora = statistics_job(root, [f"{base}+{a}" for a in adapters], parameters["statistics"])
+        dense = statistics_job(root, [str(base)], parameters["statistics"], device)
+        lora = statistics_job(root, [f"{base}+{a}" for a in adapters], parameters["statistics"], device)
         groups.append(Group([Job(DENSE_STATS_ROW, dense), Job(LORA_STATS_ROW, lora, DENSE_STATS_ROW)]))
     return groups
 
@@ -305,7 +307,7 @@ def notes(parameters: dict[str, Any]) -> str:
     return (
         f"hidden {parameters['hidden']}, MLP {intermediate}, {parameters['layers']} layers, "
         f"{parameters['experts']} adapters of rank {parameters['rank']} on {where}, float32, "
-        f"gram {parameters['gram']}"
+        f"gram {parameters['gram']}, {parameters['device']}"
         + (", low_rank_rows adapters" if parameters["rows"] == "adapters" else "")
     )
 
@@ -319,6 +321,7 @@ SHAPE = {
     "gram": "data_free",
     "rows": "dense",  # with a data-assisted gram: `adapters` for `low_rank_rows: adapters`
     "statistics": 0,  # > 0: also time mergekit-bmm-stats on this many texts, adapters against dense models
+    "device": "cpu",  # cuda: every merge, trial and statistic on the GPU, in this process
 }
 WORKLOAD = Workload(
     name="lora_merge",

@@ -17,6 +17,10 @@ noise on every body weight), every merge in a process forked after the imports
 * on a machine with a GPU, the per-module closed form at Llama-3-8B shapes (T = 3 and 8), as figures.
 
     python -m bench.perf merge_speed                  # about 15 minutes on 2 cores
+    python -m bench.perf merge_speed --set device=cuda --set real_model=false --set depth=false  # on a GPU
+
+With ``device=cuda`` every merge and floor runs on the GPU in this process (CUDA and fork do not mix),
+each with its peak GPU memory.
 """
 
 from __future__ import annotations
@@ -93,14 +97,6 @@ def gpu_table() -> str:
     return "\n".join(lines)
 
 
-def merge_job(spec: dict[str, Any], shard_bytes: int | None = None) -> Callable[[Path], object]:
-    return lambda out: merge_here(spec, str(out), "cpu", shard_bytes)
-
-
-def floor_job(shapes, fill: bool = False) -> Callable[[Path], object]:
-    return lambda out: closed_form_floor(shapes, 3, fill=fill)
-
-
 def _smollm2(parameters: dict[str, Any], root: Path) -> dict:
     family = smollm2_family(root / "models") if parameters["real_model"] else None
     return family or ensure_llama_family(
@@ -118,19 +114,31 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     from mergekit_bmm.plugin import activate
 
     activate()
+    device = parameters["device"]
+    fork = device == "cpu"  # a GPU's merges run in this process: CUDA and fork do not mix
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the merges run on every thread in their forked processes
+    if fork:
+        torch.set_num_threads(1)  # the merges run on every thread in their forked processes
+
+    def merge_job(spec: dict[str, Any], shard_bytes: int | None = None) -> Callable[[Path], object]:
+        return lambda out: merge_here(spec, str(out), device, shard_bytes)
+
+    def floor_job(shapes, fill: bool = False) -> Callable[[Path], object]:
+        return lambda out: closed_form_floor(shapes, 3, device, fill=fill)
+
     family = _smollm2(parameters, root)
     shapes = solved_shapes(Path(family["base"]))
     cache = root / "trial-cache"  # what the cached trials read: filled once, untimed
     fresh(cache)
-    merge_here(recipe(family, "bmm", "task_arithmetic", cache=str(cache)), str(fresh(root / "filled")), "cpu")
+    merge_here(
+        recipe(family, "bmm", "task_arithmetic", cache=str(cache)), str(fresh(root / "filled")), device
+    )
     trial = recipe(family, "bmm", "task_arithmetic", cache=str(cache), scale=1.1)
     trial["parameters"]["lambda"] = 0.05
 
     def fill(out: Path) -> None:  # a fresh cache each round, inside the run's fresh folder
         merge_here(
-            recipe(family, "bmm", "task_arithmetic", cache=str(out / "cache")), str(out / "model"), "cpu"
+            recipe(family, "bmm", "task_arithmetic", cache=str(out / "cache")), str(out / "model"), device
         )
 
     ta, ties, bmm_ta = "task_arithmetic", "ties", "bmm over task_arithmetic"
@@ -144,7 +152,8 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
         Job("GEMM floor of the closed form", floor_job(shapes)),
         Job("GEMM floor of the fill", floor_job(shapes, fill=True), "GEMM floor of the closed form"),
     ]
-    groups = [Group(merges, fork=True, threads=threads)]
+    forked = {"fork": fork, "threads": threads if fork else None}
+    groups = [Group(merges, **forked)]
     if parameters["depth"]:
         deep = []
         for layers in DEPTH_LAYERS:
@@ -158,7 +167,7 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
                     merge_job(recipe(family_deep, "bmm", ta), SMALL_SHARDS),
                 ),
             ]
-        groups.append(Group(deep, fork=True, threads=threads, rounds=1, warmup=0))
+        groups.append(Group(deep, rounds=1, warmup=0, **forked))
     if parameters["wide"]:
         wide = ensure_llama_family(root / "models", 2048, 5632, 1, 3, heads=16, kv_heads=4)
         floor = "GEMM floor, one layer at hidden 2048"
@@ -168,7 +177,7 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
                 "bmm over TA, one layer at hidden 2048 / MLP 5632", merge_job(recipe(wide, "bmm", ta)), floor
             ),
         ]
-        groups.append(Group(jobs, fork=True, threads=threads, rounds=1, warmup=0))
+        groups.append(Group(jobs, rounds=1, warmup=0, **forked))
     return groups
 
 
@@ -198,7 +207,7 @@ WORKLOAD = Workload(
     name="merge_speed",
     summary="one bmm merge, a cache fill and a cached trial against their GEMM floors; memory against depth",
     sizes={
-        "full": {**SHAPE, "real_model": True, "depth": True, "wide": True, "rounds": 3},
+        "full": {**SHAPE, "real_model": True, "depth": True, "wide": True, "device": "cpu", "rounds": 3},
         "quick": {
             "hidden": 72,
             "intermediate": 128,
@@ -206,6 +215,7 @@ WORKLOAD = Workload(
             "real_model": False,
             "depth": True,
             "wide": False,
+            "device": "cpu",
             "rounds": 1,
         },
     },
