@@ -23,9 +23,9 @@ Parts, each printed as a table and kept in ``--out`` (JSON); the timed ones run 
 7. **label_free** — a resident search with no labels (``evaluator: {type: agreement}``, three experts,
    32 texts each) on the 1B shape: the experts' references, the start-up and each trial's merge and
    evaluation.
-8. **lora** — the ``lora_merge`` workload at the Llama-3-8B shape (hidden 4096, MLP 14336, 2 layers,
-   three rank-16 adapters): the low-rank route data-free and data-assisted against Task Arithmetic of
-   the adapters, and a resident trial.
+8. **lora** — the ``lora_merge`` workload, two layers, three rank-16 adapters: the low-rank route
+   data-free and data-assisted at the Llama-3-8B shape (hidden 4096, MLP 14336), data-assisted at the
+   1B shape, against Task Arithmetic of the adapters, and a resident trial.
 9. **eight_b** — the ``billion_merge`` workload at full Llama-3-8B depth (hidden 4096, MLP 14336, 32
    layers, 32 / 8 heads, T = 2: base, experts and one output fit a 64 GiB disk; each output deleted once
    timed): Task Arithmetic and bmm data-free, peak GPU memory.
@@ -74,6 +74,7 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads
     },
 }
 EIGHT_B = {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8}  # Llama-3-8B's body
+BILLION = {"hidden": 2048, "intermediate": 8192, "heads": 32, "kv_heads": 8}  # Llama-3.2-1B's
 CASES = (  # name, anchor, gram, extra bmm parameters: the three Grams, the ACE anchor, task balance
     ("data_free", "task_arithmetic", "data_free", {}),
     ("activations", "task_arithmetic", "activations", {}),
@@ -160,7 +161,7 @@ def accuracy(models: Path, scratch: Path, device: str, size: str) -> list[dict]:
 
 # -- 2. speed, 4. billion, 6. moe, 8. lora, 9. eight_b: performance workloads on the device --------
 def workload(name: str, scratch: Path, device: str, size: str, full: dict | None = None, warmup: int = 1,
-             **always) -> dict:  # fmt: skip
+             tag: str = "", **always) -> dict:  # fmt: skip
     """``python -m bench.perf NAME`` on ``device`` in a process of its own (nothing it holds, on the
     GPU or in OpenMP's pool, reaches the next part): its full size with the shape ``full``, or its
     quick size with ``small``; ``always``: settings of either size. Its folder (families, outputs) is
@@ -168,7 +169,7 @@ def workload(name: str, scratch: Path, device: str, size: str, full: dict | None
     import subprocess
     import sys
 
-    folder = scratch / "-".join([name, *map(str, always.values())])
+    folder = scratch / "-".join([name, tag, *map(str, always.values())])
     settings = {"device": device, **always, **((full or {}) if size == "full" else {})}
     command = [sys.executable, "-m", "bench.perf", name, "--warmup", str(warmup), "--out", str(folder)]
     command += [*(["--quick"] if size != "full" else []), *(f"--set={k}={v}" for k, v in settings.items())]
@@ -204,13 +205,18 @@ def eight_b(scratch: Path, device: str, size: str) -> dict:
 
 
 def lora(scratch: Path, device: str, size: str) -> dict:
-    """The LoRA routes at the 8B shape (2 layers), data-free and data-assisted."""
-    shape = {"hidden": EIGHT_B["hidden"], "intermediate": EIGHT_B["intermediate"], "layers": 2}
-    shape.update(full_route=False, statistics=0, rounds=3)
-    return {
-        gram: workload("lora_merge", scratch, device, size, shape, gram=gram)
-        for gram in ("data_free", "activations")
-    }
+    """The LoRA routes, two layers: data-free and data-assisted at the 8B shape, data-assisted at the 1B
+    shape (where issue 60 sets its bar: ≤ 1.5 × Task Arithmetic of the adapters)."""
+    runs = {"8B": (EIGHT_B, ("data_free", "activations")), "1B": (BILLION, ("activations",))}
+    found = {}
+    for label, (shape, grams) in runs.items():
+        full = {"hidden": shape["hidden"], "intermediate": shape["intermediate"], "layers": 2, "rounds": 3}
+        for gram in grams:
+            full.update(full_route=False, statistics=0)
+            found[f"{label} {gram}"] = workload(
+                "lora_merge", scratch, device, size, full, tag=label, gram=gram
+            )
+    return found
 
 
 def moe(scratch: Path, device: str, size: str) -> dict:

@@ -62,8 +62,8 @@ def test_gpu_check_label_free_search(models, tmp_path):
 
 def test_gpu_check_lora_routes_data_free_and_data_assisted(models, tmp_path):
     lora = _check(models, tmp_path / "lora.json", "lora")
-    assert set(lora) == {"data_free", "activations"}
-    assert {lora[g]["parameters"]["gram"] for g in lora} == {"data_free", "activations"}
+    assert set(lora) == {"8B data_free", "8B activations", "1B activations"}
+    assert {run["parameters"]["gram"] for run in lora.values()} == {"data_free", "activations"}
 
 
 def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path):
