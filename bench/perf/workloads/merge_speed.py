@@ -14,7 +14,8 @@ noise on every body weight), every merge in a process forked after the imports
 * depth (``depth=true``): TA, bmm over TA, and bmm with small output shards at 4 and 16 layers of
   the same width; the figures give each one's peak-private ratio (16 over 4 layers);
 * width: one layer at hidden 2048 / intermediate 5632 against its floor;
-* on a machine with a GPU, the per-module closed form at Llama-3-8B shapes (T = 3 and 8), as figures.
+* per module (``modules``; ``auto``: Llama-3-8B's shapes on a GPU, none on a CPU): the closed form on
+  T = 3 and 8 task vectors against its bare products, on the device.
 
     python -m bench.perf merge_speed                  # about 15 minutes on 2 cores
     python -m bench.perf merge_speed --set device=cuda --set real_model=false --set depth=false  # on a GPU
@@ -33,7 +34,7 @@ import torch
 
 from bench.common import ensure_llama_family, move_body_low_rank, solved_shapes
 from bench.perf.harness import Group, Job, Workload, fresh
-from bench.perf.merges import _clock, _closed_form, closed_form_floor, merge_here, recipe
+from bench.perf.merges import _closed_form, closed_form_floor, merge_here, recipe
 
 
 # -- models -------------------------------------------------------------------------------
@@ -71,30 +72,40 @@ DEPTH_LAYERS = (4, 16)
 SMALL_SHARDS = 50_000_000  # bytes: mergekit's default (5 GB) holds a small model's whole output in RAM
 
 
-def gpu_table() -> str:
-    """Per-module closed form at Llama-3-8B shapes on the GPU against its bare products."""
-    if not torch.cuda.is_available():
-        return "not run: no GPU on this machine"
-    shapes = [("4096 x 4096", 4096, 4096), ("14336 x 4096 (up)", 14336, 4096)]
-    shapes.append(("4096 x 14336 (down)", 4096, 14336))
-    lines = [
-        "",
-        f"{'module (out x in)':<22} {'T':>3} {'closed form s':>14} {'floor s':>8} {'ratio':>6} {'GiB':>6}",
-    ]
+MODULES = {  # (label, out, in) of single weights, closed form against its floor at T = 3 and 8
+    "llama8b": [
+        ("4096 x 4096", 4096, 4096),
+        ("14336 x 4096 (up)", 14336, 4096),
+        ("4096 x 14336 (down)", 4096, 14336),
+    ],
+    "tiny": [("64 x 64", 64, 64), ("256 x 64", 256, 64)],
+    "none": [],
+}
+
+
+def module_group(shapes: list[tuple[str, int, int]], device: str, forked: dict[str, Any]) -> Group:
+    """The per-module closed form (``merge_matrix`` on T task vectors, an anchor, λ 0.1) against its
+    bare products, one pair per shape and T: what a GPU adds to the arithmetic alone."""
+    jobs = []
     for label, out_features, in_features in shapes:
         for tasks in (3, 8):
-            vectors = [torch.randn(out_features, in_features, device="cuda") for _ in range(tasks)]
-            anchor = torch.randn(out_features, in_features, device="cuda")
-            _closed_form(vectors, anchor)  # warm-up
-            torch.cuda.reset_peak_memory_stats()
-            seconds = min(_clock(_closed_form, "cuda", vectors, anchor) for _ in range(3))
-            peak = torch.cuda.max_memory_allocated() / 2**30
-            shape = [("m", out_features, in_features)]
-            floor = min(closed_form_floor(shape, tasks, "cuda") for _ in range(3))
-            lines.append(
-                f"{label:<22} {tasks:>3} {seconds:>14.4f} {floor:>8.4f} {seconds / floor:>6.2f} {peak:>6.2f}"
+            vectors = [torch.randn(out_features, in_features, device=device) for _ in range(tasks)]
+            anchor = torch.randn(out_features, in_features, device=device)
+            floor = Job(
+                f"module {label}, T = {tasks}: floor",
+                floor_products((label, out_features, in_features), tasks, device),
             )
-    return "\n".join(lines)
+            solve = Job(
+                f"module {label}, T = {tasks}: closed form",
+                lambda out, v=vectors, a=anchor: _closed_form(v, a),
+                floor.label,
+            )
+            jobs += [floor, solve]
+    return Group(jobs, **forked)
+
+
+def floor_products(shape: tuple[str, int, int], tasks: int, device: str) -> Callable[[Path], object]:
+    return lambda out: closed_form_floor([shape], tasks, device)
 
 
 def _smollm2(parameters: dict[str, Any], root: Path) -> dict:
@@ -178,6 +189,11 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
             ),
         ]
         groups.append(Group(jobs, rounds=1, warmup=0, **forked))
+    modules = parameters["modules"]
+    if modules == "auto":  # the 8B module shapes where a GPU takes them in a second
+        modules = "llama8b" if device.startswith("cuda") else "none"
+    if MODULES[modules]:  # made when its turn comes: its task vectors do not count in the merges' memory
+        groups.append(lambda: module_group(MODULES[modules], device, forked))
     return groups
 
 
@@ -198,7 +214,6 @@ def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) 
         if f"depth {low}: {name}" in private:
             a, b = private[f"depth {low}: {name}"], private[f"depth {high}: {name}"]
             out[f"private memory, {name}"] = f"{a} MiB at {low} layers, {b} at {high} ({b / max(a, 1):.2f}×)"
-    out["GPU, Llama-3-8B module shapes"] = gpu_table()
     return out
 
 
@@ -207,7 +222,15 @@ WORKLOAD = Workload(
     name="merge_speed",
     summary="one bmm merge, a cache fill and a cached trial against their GEMM floors; memory against depth",
     sizes={
-        "full": {**SHAPE, "real_model": True, "depth": True, "wide": True, "device": "cpu", "rounds": 3},
+        "full": {
+            **SHAPE,
+            "real_model": True,
+            "depth": True,
+            "wide": True,
+            "device": "cpu",
+            "modules": "auto",
+            "rounds": 3,
+        },
         "quick": {
             "hidden": 72,
             "intermediate": 128,
@@ -216,6 +239,7 @@ WORKLOAD = Workload(
             "depth": True,
             "wide": False,
             "device": "cpu",
+            "modules": "tiny",
             "rounds": 1,
         },
     },
