@@ -68,6 +68,22 @@ def test_a_command_ends_when_its_harness_is_killed(tmp_path):
     pytest.fail("the command outlived its harness")
 
 
+def test_a_merge_in_a_fresh_interpreter_reports_its_memory_and_a_discarded_output_is_gone(tmp_path):
+    """``child_job`` (GPU merges, the depth rows): the merge's own process, its peaks sampled from
+    outside; ``discard``: the run's output deleted once measured (an 8B output would fill the disk)."""
+    from bench.common import ensure_llama_family
+    from bench.perf.merges import child_job, recipe
+
+    family = ensure_llama_family(tmp_path / "models", 32, 64, 1, 2, heads=4, kv_heads=2)
+    job = Job("bmm in a fresh interpreter", child_job(recipe(family, "bmm", "task_arithmetic"), "cpu"))
+    toy = Workload("toy", "a toy", {"quick": {"rounds": 1}, "full": {"rounds": 1}},
+                   lambda p, r: [Group([job], warmup=0, discard=True)])  # fmt: skip
+    result = run_workload(toy, "quick", warmup=0, out_root=tmp_path / "run", echo=lambda line: None)
+    row = result["rows"][0]
+    assert row["private_mib"] > 50 and row["rss_mib"] >= row["private_mib"]  # the interpreter's own
+    assert not (tmp_path / "run" / "out" / "group-0" / "0").exists()
+
+
 @pytest.mark.parametrize("name", workloads.names())
 def test_every_workload_runs_at_its_quick_size(name, tmp_path):
     result = run_workload(

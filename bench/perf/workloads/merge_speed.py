@@ -12,7 +12,8 @@ noise on every body weight), every merge in a process forked after the imports
   cross terms, Cholesky and its solves, float32) for every solved weight, and the fill's (the same
   Grams, a float64 eigendecomposition and the two float64 products);
 * depth (``depth=true``): TA, bmm over TA, and bmm with small output shards at 4 and 16 layers of
-  the same width; the figures give each one's peak-private ratio (16 over 4 layers);
+  the same width, each merge a fresh interpreter (imports included); the figures give each one's
+  peak-private ratio (16 over 4 layers);
 * width: one layer at hidden 2048 / intermediate 5632 against its floor;
 * per module (``modules``; ``auto``: Llama-3-8B's shapes on a GPU, none on a CPU): the closed form on
   T = 3 and 8 task vectors against its bare products, on the device.
@@ -34,7 +35,7 @@ import torch
 
 from bench.common import ensure_llama_family, move_body_low_rank, solved_shapes
 from bench.perf.harness import Group, Job, Workload, fresh
-from bench.perf.merges import _closed_form, closed_form_floor, merge_here, recipe
+from bench.perf.merges import _closed_form, child_job, closed_form_floor, merge_here, recipe
 
 
 # -- models -------------------------------------------------------------------------------
@@ -170,15 +171,17 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
         for layers in DEPTH_LAYERS:
             width = parameters["hidden"], parameters["intermediate"]
             family_deep = ensure_llama_family(root / "models", *width, layers, 3, heads=9, kv_heads=3)
+            # each in a fresh interpreter, its private memory sampled from outside: a forked child
+            # reuses the parent's freed heap, so its growth says nothing about depth
             deep += [
-                Job(f"depth {layers}: task_arithmetic", merge_job(recipe(family_deep, ta))),
-                Job(f"depth {layers}: bmm over TA", merge_job(recipe(family_deep, "bmm", ta))),
+                Job(f"depth {layers}: task_arithmetic", child_job(recipe(family_deep, ta), device)),
+                Job(f"depth {layers}: bmm over TA", child_job(recipe(family_deep, "bmm", ta), device)),
                 Job(
                     f"depth {layers}: bmm over TA, 50 MB shards",
-                    merge_job(recipe(family_deep, "bmm", ta), SMALL_SHARDS),
+                    child_job(recipe(family_deep, "bmm", ta), device, SMALL_SHARDS),
                 ),
             ]
-        groups.append(Group(deep, rounds=1, warmup=0, **forked))
+        groups.append(Group(deep, rounds=1, warmup=0))
     if parameters["wide"]:
         wide = ensure_llama_family(root / "models", 2048, 5632, 1, 3, heads=16, kv_heads=4)
         floor = "GEMM floor, one layer at hidden 2048"
@@ -236,7 +239,7 @@ WORKLOAD = Workload(
             "intermediate": 128,
             "layers": 2,
             "real_model": False,
-            "depth": True,
+            "depth": False,  # six fresh interpreters (bench/tests/test_perf.py times one such merge)
             "wide": False,
             "device": "cpu",
             "modules": "tiny",
