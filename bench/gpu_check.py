@@ -212,9 +212,16 @@ def lora(scratch: Path, device: str, size: str) -> dict:
     for label, (shape, grams) in runs.items():
         full = {"hidden": shape["hidden"], "intermediate": shape["intermediate"], "layers": 2, "rounds": 3}
         for gram in grams:
-            full.update(full_route=False, statistics=0)
             found[f"{label} {gram}"] = workload(
-                "lora_merge", scratch, device, size, full, tag=label, gram=gram
+                "lora_merge",
+                scratch,
+                device,
+                size,
+                full,
+                tag=label,
+                gram=gram,
+                full_route=False,
+                statistics=0,
             )
     return found
 

@@ -14,7 +14,8 @@ ratios the design targets:
 Cases: ``encoder`` — the merging benchmark's MiniLM experts and heads when its cache exists
 (``minilm_cache``), else a MiniLM-shaped BERT family (hidden 384, 6 layers, 6 experts) with random
 heads; ``llama`` — a SmolLM2-135M-shaped Llama family (hidden 576, intermediate 1536, 30 layers, 9 heads
-/ 3 KV heads, T = 3, bfloat16) scored by the mean log-likelihood of a few texts.
+/ 3 KV heads, T = 3, bfloat16; ``hidden`` and ``intermediate`` change its width) scored by the mean
+log-likelihood of a few texts.
 
 With ``workers=1,2`` it also runs the search with resident trials on one worker (one device: one CPU
 core, or one GPU), on one worker using the whole CPU, and on two workers with the local and the Ray
@@ -55,8 +56,9 @@ def texts(count: int) -> list[str]:
 
 
 # -- the cases ----------------------------------------------------------------------------
-def llama_case(root: Path, layers: int, eval_texts: int) -> dict:
-    family = ensure_llama_family(root, 576, 1536, layers, 3, heads=9, kv_heads=3)
+def llama_case(root: Path, layers: int, eval_texts: int, hidden: int = 576, intermediate: int = 1536) -> dict:
+    heads = 9 if hidden % 9 == 0 else 4
+    family = ensure_llama_family(root, hidden, intermediate, layers, 3, heads=heads, kv_heads=heads // 3 or 1)
     evaluator = {
         "type": "python",
         "callable": CALLABLE,
@@ -64,7 +66,7 @@ def llama_case(root: Path, layers: int, eval_texts: int) -> dict:
         "args": {"texts": texts(eval_texts)},
     }
     title = (
-        f"SmolLM2-135M-shaped Llama (hidden 576, intermediate 1536, {layers} layers, T = 3, bfloat16), "
+        f"Llama (hidden {hidden}, intermediate {intermediate}, {layers} layers, T = 3, bfloat16), "
         f"scored on {eval_texts} texts"
     )
     blocks = min(3, layers)
@@ -319,7 +321,8 @@ def _cases(parameters: dict[str, Any], root: Path) -> dict[str, dict]:
         minilm = Path(parameters["minilm_cache"]) if parameters["minilm_cache"] else None
         cases["encoder"] = encoder_case(models, minilm)
     if chosen in ("llama", "all"):
-        cases["llama"] = llama_case(models, parameters["layers"], parameters["eval_texts"])
+        width = parameters["hidden"], parameters["intermediate"]  # SmolLM2-135M's at the full size
+        cases["llama"] = llama_case(models, parameters["layers"], parameters["eval_texts"], *width)
     return cases
 
 
@@ -404,6 +407,8 @@ WORKLOAD = Workload(
             "device": "cpu",
             "threads": 0,
             "layers": 30,
+            "hidden": 576,
+            "intermediate": 1536,
             "eval_texts": 64,
             "workers": "1",
             "minilm_cache": "/work/bench-cache",
@@ -416,6 +421,8 @@ WORKLOAD = Workload(
             "device": "cpu",
             "threads": 1,
             "layers": 1,
+            "hidden": 64,  # the suite's 30 s: a trial's merge and evaluation at SmolLM2's width cost more
+            "intermediate": 128,
             "eval_texts": 2,
             "workers": "1",
             "minilm_cache": "",
