@@ -4,6 +4,7 @@ defaults beside each), and the search-strategy ablation. Every search resumes fr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -189,8 +190,17 @@ def one_search(
     return outcome
 
 
-def bmm_stage(config: RunConfig, cache_dir: Path, art: Artifacts, results, setting: str) -> None:
-    """BMM over each anchor in one setting, λ/s from ``mergekit-bmm-search``, one search per seed."""
+def bmm_stage(
+    config: RunConfig,
+    cache_dir: Path,
+    art: Artifacts,
+    results,
+    setting: str,
+    after_cell: Callable[[str], None] | None = None,
+) -> None:
+    """BMM over each anchor in one setting, λ/s from ``mergekit-bmm-search``, one search per seed;
+    ``after_cell(anchor)`` once an anchor's searches are done (the pipeline writes the report there, so a
+    run cut short mid-stage still leaves every finished cell)."""
     cells = [(anchor, setting) for anchor in config.search.anchors]
     runtime = results.setdefault("bmm_runtime", {})
     if setting == "data_assisted":
@@ -253,6 +263,8 @@ def bmm_stage(config: RunConfig, cache_dir: Path, art: Artifacts, results, setti
             f"bmm       {anchor:16s} {setting:13s} K={first['trials']} x {len(seeds)} seeds, test "
             f"{100 * mean(spread):.1f} (seeds {', '.join(f'{100 * v:.1f}' for v in spread)})"
         )
+        if after_cell is not None:
+            after_cell(anchor)
 
 
 def found_avg(row: dict[str, Any]) -> float:

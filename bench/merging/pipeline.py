@@ -140,9 +140,16 @@ def run_benchmark(
     # data-free searches, then the ablation (it reuses the BO search of its cell), then data-assisted
     settings = config.search.settings
     for i, setting in enumerate(settings):
+        done = ", ".join(settings[:i])
+
+        def after_cell(anchor: str, setting: str = setting, done: str = done) -> None:
+            # every finished cell in the report: a session that ends mid-stage leaves them
+            if anchor != config.search.anchors[-1] and stop > STAGES.index("bmm"):
+                checkpoint("bmm", f"bmm: {done + '; ' if done else ''}{setting} up to {anchor}")
+
         if stop >= STAGES.index("bmm") and config.search.anchors:
             with clock.stage("bmm"):
-                bmm_stage(config, cache_dir, art, results, setting)
+                bmm_stage(config, cache_dir, art, results, setting, after_cell)
         if setting == config.ablation.setting and stop >= STAGES.index("ablation") and config.ablation.anchor:
             with clock.stage("ablation"):
                 ablation_stage(config, cache_dir, art, results)
