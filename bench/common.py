@@ -23,8 +23,8 @@ def ensure_llama_family(
     kv_heads: int = 4,
     device: str = "cpu",
 ) -> dict:
-    """Base + experts as bfloat16 safetensors under ``root`` (generated once, then reused); made on
-    ``device`` (a GPU makes an 8B-shaped family in a fraction of the CPU's time; other values)."""
+    """Base + experts as bfloat16 safetensors under ``root`` (generated once, then reused), made on
+    ``device``: the CPU by default, bit for bit as before; a GPU makes an 8B-shaped family in seconds."""
     spec = {"hidden": hidden, "intermediate": intermediate, "layers": layers, "experts": experts, "v": 1}
     if (heads, kv_heads) != (16, 4):
         spec.update(heads=heads, kv_heads=kv_heads)

@@ -80,7 +80,7 @@ def child_job(recipe: dict, device: str, shard_bytes: int | None = None):
                         "shard_bytes": shard_bytes,
                         "result": str(result),
                     }
-                )  # fmt: skip
+                )
             )
             peaks = command([sys.executable, "-m", "bench.perf.merges", str(spec)])
             return {**peaks, **(json.loads(result.read_text()) if result.is_file() else {})}
