@@ -210,7 +210,7 @@ def lora(scratch: Path, device: str, size: str) -> dict:
     runs = {"8B": (EIGHT_B, ("data_free", "activations")), "1B": (BILLION, ("activations",))}
     found = {}
     for label, (shape, grams) in runs.items():
-        full = {"hidden": shape["hidden"], "intermediate": shape["intermediate"], "layers": 2, "rounds": 3}
+        full = {"hidden": shape["hidden"], "intermediate": shape["intermediate"], "layers": 2, "rounds": 2}
         for gram in grams:
             found[f"{label} {gram}"] = workload(
                 "lora_merge",

@@ -3,7 +3,7 @@
 # repository root with .whl/ carried (bench/gpu/wheels.sh made it). Writes every figure under $OUT (or
 # ./gpu-out): one JSON per step, rewritten after each part, and the log.
 #
-#   bench/gpu/run.sh              # wave 6's list: eight_b, then label_free, moe, lora (about 13 minutes)
+#   bench/gpu/run.sh              # wave 6's list: eight_b; label_free,moe; lora (about 14 minutes, estimated)
 #   bench/gpu/run.sh PARTS...     # other parts of bench/gpu_check.py, each step comma-separated
 #   DEVICE=cpu SIZE=small WHEELS=DIR bench/gpu/run.sh    # the same steps rehearsed on a CPU
 #
@@ -19,7 +19,7 @@ export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi"; } | tee "$OUT/machine.txt"
 df -h / /tmp | tee -a "$OUT/machine.txt"
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(eight_b label_free,moe,lora)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(eight_b label_free,moe lora)
 status=0
 for step in "${STEPS[@]}"; do
   models="/tmp/gpu-models-${step//,/-}"
