@@ -1,4 +1,4 @@
-"""The GPU check: bmm on an accelerator, measured, in one command (6.5 minutes on an H200).
+"""The GPU check: bmm on an accelerator, measured, in one command (its default parts: minutes on an H200).
 
 Parts, each printed as a table and kept in ``--out`` (JSON); the timed ones run performance workloads
 (``python -m bench.perf``) on ``--device``, on the harness's protocol:
