@@ -69,7 +69,8 @@ class Workload:
 
     name: str
     summary: str
-    sizes: dict[str, dict[str, Any]]  # "quick" (the test suite's), "full" (the reported figures)
+    # "full" (the reported figures) and "quick" (the test suite's: only what differs from "full")
+    sizes: dict[str, dict[str, Any]]
     # groups in the order they run; a callable makes its group only when its turn comes (a resident
     # model loaded for the last group must not count in the memory of the merges before it)
     build: Callable[[dict[str, Any], Path], list[Group | Callable[[], Group]]]
@@ -345,7 +346,7 @@ def run_workload(
     """Build the workload at ``size`` (with ``overrides``), time every group, print the table, and
     write ``<out_root>/<name>.json``; the result as a mapping. A long run resumes: each finished group
     is kept in ``<name>.partial.json`` and not measured again by the same run (``redo``: all again)."""
-    parameters = {**workload.sizes[size], **(overrides or {})}
+    parameters = {**workload.sizes["full"], **workload.sizes[size], **(overrides or {})}
     rounds = rounds or int(parameters.pop("rounds", 5))
     parameters.pop("rounds", None)
     out_root = Path(out_root or f"/tmp/mergekit-bmm-perf/{workload.name}")

@@ -328,7 +328,7 @@ WORKLOAD = Workload(
     summary="LoRA experts: bmm's low-rank and full routes and mergekit-bmm-lora against Task Arithmetic",
     sizes={
         "full": {**SHAPE, "hidden": 1024, "layers": 4, "rounds": 7},
-        "quick": {**SHAPE, "hidden": 64, "layers": 1, "experts": 2, "rank": 4, "statistics": 4, "rounds": 1},
+        "quick": {"experts": 2, "rank": 4, "statistics": 4, "hidden": 64, "layers": 1, "rounds": 1},
     },
     build=build,
     figures=figures,

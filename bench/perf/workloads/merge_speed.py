@@ -241,7 +241,6 @@ WORKLOAD = Workload(
             "real_model": False,
             "depth": False,  # six fresh interpreters (bench/tests/test_perf.py times one such merge)
             "wide": False,
-            "device": "cpu",
             "modules": "tiny",
             "rounds": 1,
         },

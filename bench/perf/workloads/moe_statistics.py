@@ -152,7 +152,6 @@ WORKLOAD = Workload(
             "intermediate": 128,
             "layers": 2,
             "experts": 4,
-            "top_k": 2,
             "sequences": 8,
             "tokens": 64,
             "rounds": 1,

@@ -139,7 +139,6 @@ WORKLOAD = Workload(
             "layers": "1",
             "samples": 4,
             "max_length": 16,
-            "device": "cpu",
             "rounds": 1,
         },
     },
