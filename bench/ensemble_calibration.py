@@ -81,26 +81,6 @@ def evaluator_config(tasks: list[HeadTask]):
     )
 
 
-@torch.inference_mode()
-def pooled_features(model, tokenizer, texts: list[str], batch_size: int = 64) -> torch.Tensor:
-    """Mean-pooled last hidden state: the features the smoke heads are fitted on."""
-    tokenizer.padding_side = "right"
-    out = []
-    for start in range(0, len(texts), batch_size):
-        batch = tokenizer(
-            texts[start : start + batch_size],
-            padding=True,
-            truncation=True,
-            max_length=64,
-            return_tensors="pt",
-        )
-        batch = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
-        hidden = model(**batch).last_hidden_state.float()
-        mask = batch["attention_mask"].unsqueeze(-1).float()
-        out.append((hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0))
-    return torch.cat(out)
-
-
 # ----------------------------------------------------------------------------- the smoke setup
 def fit_head(
     features: torch.Tensor, labels: torch.Tensor, classes: int, l2: float
@@ -129,6 +109,7 @@ def build_smoke(
     """Generate base, experts, tasks and heads (cached in ``work``); return (recipe, tasks, filter)."""
     from safetensors.torch import save_file
 
+    from mergekit_bmm.evaluation.classification import pooled_features
     from mergekit_bmm.examples.tiny_models import make_base, perturb_as_expert
 
     layers = 4
@@ -170,7 +151,7 @@ def build_smoke(
         perturb_as_expert(expert, seed=1000 * (seed + 1) + t, strength=strength)
         expert.save_pretrained(work / f"expert{t}")
         tokenizer.save_pretrained(work / f"expert{t}")
-        features = pooled_features(expert.base_model, tokenizer, texts)
+        features = pooled_features(expert.base_model, tokenizer, texts, max_length=64, batch_size=64)
         standardised = (features - features.mean(0)) / features.std(0).clamp_min(1e-6)
         teacher = torch.randn(standardised.shape[1], 3, generator=generator) / standardised.shape[1] ** 0.5
         logits = 3.0 * standardised @ teacher

@@ -176,9 +176,12 @@ def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) 
         out["bmm cached trial"] = (
             f"TA + {(by['bmm cached trial']['seconds'] - ta['seconds']) / trial_floor:.2f} × its floor"
         )
-        out["bmm cache fill"] = (
-            f"{by['bmm cache fill']['seconds'] / bmm['seconds']:.2f} × the uncached bmm merge"
-        )
+        layers = parameters["cache_layers"]  # the fill against an uncached merge of the same depth
+        same = bmm if layers == parameters["layers"] else by.get(f"depth {layers}: bmm data-free")
+        if same is not None:
+            out["bmm cache fill"] = (
+                f"{by['bmm cache fill']['seconds'] / same['seconds']:.2f} × the uncached bmm merge"
+            )
     return out
 
 
