@@ -178,8 +178,13 @@ def _store(
         budget = _budget(settings, exact, base)
         columns = eigen.column_rounding(factor_precision.FIXED_POINT)
         errors = factor_precision.shares(exact.correction, exact.anchor, budget, columns)
+        sizes = {
+            "anchor": exact.anchor.numel(),
+            "correction": exact.correction.numel(),
+            "basis": eigen.vectors.numel(),
+        }
         for precision in AUTO_BASES:  # the cheapest basis that keeps the budget
-            chosen = factor_precision.choose(errors, budget, precision)
+            chosen = factor_precision.choose(errors, budget, precision, sizes)
             if chosen["basis"] == precision:
                 break
     stored = _stored_basis(cache, eigen, chosen["basis"], compute)
