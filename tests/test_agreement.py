@@ -210,6 +210,26 @@ def test_entropy_and_top1_objectives_score_within_their_scale(tiny_llama, tmp_pa
         assert all(value == pytest.approx(0.0, abs=1e-6) for value in scores.values())  # the base scores 0
 
 
+def test_every_objective_from_one_pass_equals_each_evaluator_alone(tiny_llama, tmp_path):
+    """``divergences`` (one forward pass, every objective) gives what an evaluator of each objective
+    with ``scale: none`` scores, negated; and the base's divergence under any of them."""
+    family = tiny_llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    expert = AutoModelForCausalLM.from_pretrained(family.experts[0], dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(family.base)
+    common = {"tasks": _tasks(family, tmp_path), "base_model": str(family.base), "scale": "none"}
+    objectives = ("kl", "reverse_kl", "top1", "entropy")
+    one = _evaluator({**common, "objective": "kl"}, tmp_path)
+    found = one.divergences(expert, tokenizer, objectives)
+    for objective in objectives:
+        alone = _evaluator({**common, "objective": objective}, tmp_path)
+        scores = alone.evaluate_model(expert, tokenizer)
+        assert found[objective] == pytest.approx({name: -value for name, value in scores.items()}, abs=1e-12)
+        assert one.base_divergence(objective) == alone.base_divergence()
+    assert found["kl"][family.experts[0].name] == pytest.approx(0.0, abs=1e-6)  # the expert on its own text
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_bad_input_is_one_line(tiny_llama, tmp_path):
     family = tiny_llama

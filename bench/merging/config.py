@@ -177,6 +177,12 @@ class LabelFreeSpec(_Strict):
         description="anchors whose label-free search is traced: every trial re-merged, scored on test and "
         "under every objective (does a better agreement mean a better model?)",
     )
+    trace_trials: int | None = Field(
+        default=None,
+        ge=3,
+        description="trials a trace re-merges (None: all): evenly spaced over the search, its best "
+        "included; trials already traced are kept",
+    )
 
     @property
     def name(self) -> str:

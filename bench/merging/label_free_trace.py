@@ -1,10 +1,12 @@
-"""Does a better agreement mean a better model? Every trial of a label-free search, re-merged and scored.
+"""Does a better agreement mean a better model? A label-free search's trials, re-merged and scored.
 
-Each trial's recipe (``trials/trial-NNNN.yml``) is merged again, scored on test by the benchmark's own
+Every trial, or with ``trace_trials`` that many evenly spaced over the search (its best included):
+each trial's recipe (``trials/trial-NNNN.yml``) is merged again, scored on test by the benchmark's own
 scorer, and read by the label-free evaluator under every objective (KL, reverse KL, top-1, entropy;
-raw divergences, from which the base-scaled scores follow). Across the trials, the rank correlation of
-each objective with test accuracy says which objective transfers best and whether tasks are better
-put on one scale by the base's gap (``scale: base``) or left raw. Cached per trial model.
+raw divergences from one forward pass, from which the base-scaled scores follow). Across the trials,
+the rank correlation of each objective with test accuracy says which objective transfers best and
+whether tasks are better put on one scale by the base's gap (``scale: base``) or left raw. Cached per
+trial model.
 """
 
 from __future__ import annotations
@@ -27,19 +29,18 @@ from bench.merging.scoring import mean, score_model
 OBJECTIVES = ("kl", "reverse_kl", "top1", "entropy")
 
 
-def _evaluators(config: RunConfig, art: Artifacts, spec: LabelFreeSpec, references: Path) -> dict[str, Any]:
-    """One evaluator per objective, raw divergences (``scale: none``), sharing the search's references."""
+def _evaluator(config: RunConfig, art: Artifacts, spec: LabelFreeSpec, references: Path) -> Any:
+    """The search's label-free evaluator on raw divergences (``scale: none``), sharing its references:
+    one forward pass of a trial's model gives every objective (``divergences``)."""
     from bench.merging.model_scores import label_free_block
     from mergekit_bmm.evaluation import make_evaluator
     from mergekit_bmm.evaluation.config import AgreementEvaluatorConfig
 
-    out = {}
-    for objective in OBJECTIVES:
-        block = label_free_block(config, art, spec.model_copy(update={"scale": "none"}))
-        block.update(objective=objective, references=str(references), base_model=str(art.encoder))
-        out[objective] = make_evaluator(AgreementEvaluatorConfig.model_validate(block), "cpu")
-        out[objective].prepare()
-    return out
+    block = label_free_block(config, art, spec.model_copy(update={"scale": "none"}))
+    block.update(objective="kl", references=str(references), base_model=str(art.encoder))
+    evaluator = make_evaluator(AgreementEvaluatorConfig.model_validate(block), "cpu")
+    evaluator.prepare()
+    return evaluator
 
 
 def _trial_records(folder: Path) -> list[dict[str, Any]]:
@@ -48,31 +49,39 @@ def _trial_records(folder: Path) -> list[dict[str, Any]]:
     return [r for r in records if "event" not in r and r.get("status") == "ok"]
 
 
+def _traced(folder: Path, cache_dir: Path, limit: int | None) -> list[tuple[dict, dict, str, Path]]:
+    """(record, recipe, key, stored score) of the trials to trace: all, or ``limit`` evenly spaced over
+    the search with its best, plus any traced before (free: their scores are stored)."""
+    found = []
+    for record in _trial_records(folder):
+        recipe = yaml.safe_load((folder / record["yaml"]).read_text(encoding="utf-8"))
+        recipe["parameters"].pop("cache", None)  # where the factors were kept does not change the model
+        key = recipe_key(recipe)
+        found.append((record, recipe, key, cache_dir / "label_free_trace" / f"{key.split(':')[1]}.json"))
+    if limit is None or len(found) <= limit:
+        return found
+    picked = {round(i * (len(found) - 1) / (limit - 1)) for i in range(limit)}
+    picked.add(max(range(len(found)), key=lambda i: found[i][0]["score"]))
+    picked |= {i for i, entry in enumerate(found) if entry[3].is_file()}
+    return [found[i] for i in sorted(picked)]
+
+
 def trace_search(
     config: RunConfig, cache_dir: Path, art: Artifacts, spec: LabelFreeSpec, folder: Path
 ) -> dict[str, Any]:
     """Per trial of the search in ``folder``: its search score, test average and every objective's raw
     divergence per task; then each objective's rank correlation with the test average."""
     tasks = list(art.tasks.values())
-    evaluators = _evaluators(config, art, spec, folder / "references")
+    evaluator = _evaluator(config, art, spec, folder / "references")
     # each task's base divergence per objective (the base-scaled score's denominator)
-    gaps = {objective: evaluator.base_divergence() for objective, evaluator in evaluators.items()}
+    gaps = {objective: evaluator.base_divergence(objective) for objective in OBJECTIVES}
     cache, work = ScoreCache(cache_dir), cache_dir / "merges" / "trace-work"
     trials = []
-    for record in _trial_records(folder):
-        recipe = yaml.safe_load((folder / record["yaml"]).read_text(encoding="utf-8"))
-        recipe["parameters"].pop("cache", None)  # where the factors were kept does not change the model
-        key = recipe_key(recipe)
-        stored = cache_dir / "label_free_trace" / f"{key.split(':')[1]}.json"
+    for record, recipe, key, stored in _traced(folder, cache_dir, spec.trace_trials):
         if not stored.is_file():
             out = run_mergekit(recipe, work / key.split(":")[1])
             model, tokenizer = load_encoder(out, config.work_threads)
-            divergences = {
-                objective: {
-                    name: -value for name, value in evaluator.evaluate_model(model, tokenizer).items()
-                }
-                for objective, evaluator in evaluators.items()
-            }
+            divergences = evaluator.divergences(model, tokenizer, OBJECTIVES)
             jobs = [(t, "test") for t in tasks]
             scores = score_model(
                 key,

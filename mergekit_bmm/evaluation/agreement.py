@@ -89,9 +89,11 @@ class AgreementEvaluator:
                     "use `scale: none`, or text on which the expert differs from the base"
                 )
 
-    def base_divergence(self) -> dict[str, float]:
-        """Per task, the base model's mean divergence under this objective (``scale: base`` divides by it)."""
-        return {name: data.base_divergence[self.config.objective] for name, data in self._ready().items()}
+    def base_divergence(self, objective: str | None = None) -> dict[str, float]:
+        """Per task, the base model's mean divergence under ``objective`` (default: this evaluator's;
+        ``scale: base`` divides by it)."""
+        objective = objective or self.config.objective
+        return {name: data.base_divergence[objective] for name, data in self._ready().items()}
 
     def _ready(self) -> dict[str, TaskData]:
         if self._data is None:
@@ -111,6 +113,28 @@ class AgreementEvaluator:
             / len(data[task.name].rows)
             for task in self.tasks
         }
+
+    def divergences(
+        self, model: Any, tokenizer: Any, objectives: Sequence[str]
+    ) -> dict[str, dict[str, float]]:
+        """Per objective, each task's mean raw divergence (what ``scale: none`` negates), from one
+        forward pass over the texts: a study that reads a model under every objective pays for one."""
+        data, last_only = self._ready(), self.config.positions == "last"
+        pad_id = pad_token_id(tokenizer) if tokenizer is not None else 0
+        out: dict[str, dict[str, float]] = {objective: {} for objective in objectives}
+        for task in self.tasks:
+            own = data[task.name]
+            values: dict[str, list[float]] = {objective: [] for objective in objectives}
+            indices = list(range(len(own.rows)))
+            for index, log_probs in log_probs_per_text(
+                model, own.kind, own.rows, indices, pad_id, self.config.batch_size, own.head, last_only
+            ):
+                for objective in objectives:
+                    reference = None if objective == "entropy" else own.of_text(index)
+                    values[objective].append(float(divergence(log_probs, reference, objective).mean()))
+            for objective in objectives:
+                out[objective][task.name] = math.fsum(values[objective]) / len(own.rows)
+        return out
 
     def examples(self) -> dict[str, TaskExamples]:
         """Each task's texts; a classification task is stratified by the class its expert predicts."""

@@ -62,7 +62,7 @@ def plot_trace(results: dict[str, Any], path: Path) -> Path | None:
         trials = trace["trials"]
         x = [objective_scores(t, trace["base_divergence"])["kl/base"] for t in trials]
         y = [100 * t["test_avg"] for t in trials]
-        points = axis.scatter(x, y, c=range(len(trials)), cmap="viridis", s=18)
+        points = axis.scatter(x, y, c=[t["trial"] for t in trials], cmap="viridis", s=18)
         rho = (trace.get("correlations") or {}).get("kl/base")
         axis.set_title(f"{label}\nρ = {rho:+.2f}" if rho is not None else label, fontsize=8)
         axis.set_xlabel("agreement: 1 − KL/KL_base (mean over tasks)", fontsize=8)
