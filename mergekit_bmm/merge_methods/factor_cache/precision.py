@@ -16,9 +16,9 @@ With ``cache_dtype: auto`` (the default) every factor starts in int16; where the
 added in quadrature exceed ``TOLERANCE·‖W_pre‖`` at the corner of the default search boxes where
 they are largest (``λ = LAMBDA_FLOOR`` relative, or the merge's own λ if smaller;
 ``s = max(SCALE_CEILING, |s|)``), the factors whose move to float32 brings the rest within it at
-the fewest bytes move. So no
-trial inside those boxes moves a merged weight by more than about ``TOLERANCE`` relative to
-float32 factors (the tests and the ``cache_fit`` workload check the actual error).
+the fewest bytes move. So no trial inside those boxes moves a merged weight by more than about
+``TOLERANCE`` relative to float32 factors (the tests and the ``cache_fit`` workload check the
+actual error).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def choose(
     what moving the correction (2048 × 6144) did, for the same guarantee."""
     shares = dict(errors, basis=errors["basis"] if basis_precision == FIXED_POINT else 0.0)
     candidates = ["anchor", "correction"] + (["basis"] if basis_precision == FIXED_POINT else [])
-    best: tuple[int, ...] | None = None
+    best: tuple[str, ...] | None = None
     for count in range(len(candidates) + 1):
         for moved in combinations(candidates, count):
             kept = [shares[name] for name in candidates if name not in moved]
