@@ -192,6 +192,48 @@ def test_auto_precision_stays_within_1e_5_of_float32_factors(tmp_path, spread, e
     assert ratio == pytest.approx(0.5, rel=0.1) if expected == torch.int16 else 0.5 < ratio <= 1.0
 
 
+def test_a_stored_basis_has_a_scale_per_block_of_rows_and_products_decode_it():
+    """int16 bases keep a scale per column and block of 64 rows: every entry within half its block's
+    step (finer than one scale per column), and a trial's product equals the decoded basis'; a basis
+    with one scale per column (caches written before) still merges as it did."""
+    from dataclasses import replace
+
+    from mergekit_bmm.merge_methods.factor_cache import precision
+
+    generator = torch.Generator().manual_seed(3)
+    basis, _ = torch.linalg.qr(torch.randn(200, 50, generator=generator, dtype=torch.float64))
+    stored, scale = precision.encode(basis, precision.FIXED_POINT, blocks=True)
+    assert stored.dtype == torch.int16 and scale.shape == (4, 50)  # 200 rows: three blocks of 64 and 8
+    error = precision.decode(stored, scale, torch.float64) - basis
+    steps = scale.double().repeat_interleave(64, dim=0)[:200]
+    assert bool((error.abs() <= 0.5 * steps * (1 + 1e-6)).all())
+    per_column = precision.rounding_error(basis, precision.FIXED_POINT)
+    assert error.norm() < per_column.norm()
+    correction = torch.randn(30, 50, generator=generator, dtype=torch.float64)
+    factors = closed_form.EigenFactors(
+        basis=stored,
+        eigenvalues=torch.rand(50, generator=generator, dtype=torch.float64) + 0.1,
+        correction=correction,
+        anchor=torch.randn(30, 200, generator=generator, dtype=torch.float64),
+        mean_eigenvalue=0.6,
+        basis_scale=scale,
+    )
+    decoded = replace(factors, basis=factors.decoded("basis", torch.float64), basis_scale=None)
+    for f in (factors, decoded):
+        assert f.basis_for_product(torch.float64).dtype == torch.float64
+    expected = closed_form.solve_from_factors(decoded, 0.05)
+    assert relative_error(closed_form.solve_from_factors(factors, 0.05), expected) < 1e-12
+    old_stored, old_scale = precision.encode(basis, precision.FIXED_POINT)  # one scale per column
+    old = replace(factors, basis=old_stored, basis_scale=old_scale)
+    old_decoded = replace(old, basis=old.decoded("basis", torch.float64), basis_scale=None)
+    assert (
+        relative_error(
+            closed_form.solve_from_factors(old, 0.05), closed_form.solve_from_factors(old_decoded, 0.05)
+        )
+        < 1e-12
+    )
+
+
 def test_auto_precision_moves_the_cheapest_factors_that_keep_the_budget():
     """At the Llama-3.2-1B shape's ``down_proj`` (2048 × 8192, a basis of rank 6144) the three
     int16 shares were 1.5 % over the budget together: moving the correction alone keeps it at a

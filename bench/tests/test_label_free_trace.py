@@ -16,7 +16,9 @@ def _search(folder, scores: list[float]) -> None:
     for trial, score in enumerate(scores):
         recipe = {"merge_method": "bmm", "models": [], "parameters": {"lambda": 0.01 * (trial + 1)}}
         (folder / "trials" / f"trial-{trial:04d}.yml").write_text(yaml.safe_dump(recipe))
-        lines.append({"trial": trial, "score": score, "status": "ok", "yaml": f"trials/trial-{trial:04d}.yml"})
+        lines.append(
+            {"trial": trial, "score": score, "status": "ok", "yaml": f"trials/trial-{trial:04d}.yml"}
+        )
     (folder / "trials.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 

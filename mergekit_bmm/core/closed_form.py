@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from mergekit_bmm.core import fixed_point
 from mergekit_bmm.core.evidence import AUTO_LAMBDA, EvidenceChoice, EvidenceTerms, choose, terms_of
 from mergekit_bmm.core.normal_equations import NormalEquations
 from mergekit_bmm.core.ridge import (
@@ -123,9 +124,18 @@ class EigenFactors:
 
     def decoded(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """``basis``, ``correction`` or ``anchor`` itself in ``dtype`` (column scales applied)."""
-        matrix = getattr(self, name).to(dtype)
         scale = getattr(self, f"{name}_scale")
+        if scale is not None and scale.ndim == 2:  # a scale per block of rows (a stored basis)
+            return fixed_point.scale_rows(getattr(self, name).to(dtype, copy=True), scale)
+        matrix = getattr(self, name).to(dtype)
         return matrix if scale is None else matrix * scale.to(dtype)
+
+    def basis_for_product(self, dtype: torch.dtype) -> torch.Tensor:
+        """The basis as the products use it: column scales are folded into ``a``
+        (:func:`correction_weights`), block scales applied here."""
+        if self.basis_scale is not None and self.basis_scale.ndim == 2:
+            return self.decoded("basis", dtype)
+        return self.basis.to(dtype)
 
     def complete_eigen(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Λ, Q)`` over all of ``d_in``: a thin basis is completed by an orthonormal basis of
@@ -272,7 +282,7 @@ def correction_weights(factors: EigenFactors, ridge: float, folded: bool = True)
         weights = torch.where(kept, 1.0 / denominator, torch.zeros_like(eigenvalues))
     if folded:
         for column_scale in (factors.correction_scale, factors.basis_scale):
-            if column_scale is not None:
+            if column_scale is not None and column_scale.ndim == 1:  # block scales: basis_for_product
                 weights = weights * column_scale.to(compute)
     return weights
 
@@ -303,7 +313,7 @@ def solve_from_factors(factors: EigenFactors, ridge: float) -> torch.Tensor:
         inner = _row_update(factors, ridge)
         return factors.rows.to(inner.dtype) @ inner
     weighted = _weighted(factors, ridge)
-    basis = factors.basis.to(weighted.dtype)
+    basis = factors.basis_for_product(weighted.dtype)
     if factors.anchor is None:
         return weighted @ basis.T
     return torch.addmm(_anchor_plus(factors, None, 1.0, False), weighted, basis.T)
@@ -315,7 +325,7 @@ def _row_update(factors: EigenFactors, ridge: float) -> torch.Tensor:
     inner = replace(factors, rows=None)
     weighted = _weighted(inner, ridge)
     start = _anchor_plus(inner, None, 1.0, False)
-    return torch.addmm(start, weighted.contiguous(), inner.basis.to(weighted.dtype).T.contiguous())
+    return torch.addmm(start, weighted.contiguous(), inner.basis_for_product(weighted.dtype).T.contiguous())
 
 
 def weight_from_factors(
@@ -335,7 +345,7 @@ def weight_from_factors(
         merged = torch.addmm(base.to(inner.dtype), left.contiguous(), right.contiguous(), alpha=scale)
         return merged.to(base.dtype)
     weighted = _weighted(factors, ridge)
-    basis = factors.basis.to(weighted.dtype)
+    basis = factors.basis_for_product(weighted.dtype)
     if factors.anchor is None:
         start = base.to(weighted.dtype)
     else:

@@ -45,7 +45,8 @@ class _Eigen:
     def column_rounding(self, precision: torch.dtype) -> torch.Tensor:
         """``‖ΔQ_i‖`` per column when the basis is stored in ``precision`` (computed once)."""
         if precision not in self.rounding:
-            self.rounding[precision] = factor_precision.rounding_error(self.vectors, precision).norm(dim=0)
+            rounded = factor_precision.rounding_error(self.vectors, precision, blocks=True)  # as stored
+            self.rounding[precision] = rounded.norm(dim=0)
         return self.rounding[precision]
 
 

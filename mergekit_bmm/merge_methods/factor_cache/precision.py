@@ -1,9 +1,10 @@
 """The stored precision of each cached factor, chosen against the float64 factors at the fill.
 
 A factor may be stored in 16 bits as *fixed point*: each column divided by its largest
-magnitude over 32767 and rounded to int16, the scales kept in float32. Its entries are dense
-and of one scale (eigenvectors, corrections, task vectors), so fixed point rounds them about
-7× more finely than float16 at the same two bytes. Rounding reaches the merged weight
+magnitude over 32767 and rounded to int16, the scales kept in float32 (a basis: each block of
+64 rows of a column by its own largest magnitude, :mod:`mergekit_bmm.core.fixed_point`). Its
+entries are dense and of one scale (eigenvectors, corrections, task vectors), so fixed point
+rounds them about 7× more finely than float16 at the same two bytes. Rounding reaches the merged weight
 ``W = W_pre + s·(U0 + (E Q·a) Qᵀ)`` as
 
 * anchor ``U0``: ``s·‖ΔU0‖`` (exactly, for any λ);
@@ -29,6 +30,8 @@ from itertools import combinations
 
 import torch
 
+from mergekit_bmm.core import fixed_point
+
 TOLERANCE = 1e-5
 LAMBDA_FLOOR = 1e-3
 SCALE_CEILING = 2.2
@@ -36,10 +39,17 @@ FIXED_POINT = torch.int16
 _STEPS = 32767.0
 
 
-def encode(matrix: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``matrix`` as stored in ``dtype``: float16 or int16 with per-column scales (float32)."""
+def encode(
+    matrix: torch.Tensor, dtype: torch.dtype, blocks: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``matrix`` as stored in ``dtype``: float16 or int16 with per-column scales (float32); with
+    ``blocks``, int16 with a scale per column and block of rows (:mod:`mergekit_bmm.core.fixed_point`)."""
     if dtype not in (torch.float16, FIXED_POINT):
         return matrix.to(dtype), None
+    if blocks and dtype == FIXED_POINT:
+        scale = fixed_point.block_scales(matrix, _STEPS).to(torch.float32)
+        steps = fixed_point.scale_rows(matrix.clone(), 1.0 / scale.to(matrix.dtype))
+        return torch.round(steps).clamp_(-_STEPS, _STEPS).to(FIXED_POINT), scale
     largest = matrix.abs().amax(dim=0)
     largest = torch.where(largest > 0, largest, torch.ones_like(largest))
     if dtype == torch.float16:
@@ -53,12 +63,14 @@ def encode(matrix: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 def decode(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The matrix a stored factor stands for, in ``dtype``."""
     matrix = stored.to(dtype)
+    if scale is not None and scale.ndim == 2:  # a scale per block of rows
+        return fixed_point.scale_rows(matrix if matrix is not stored else matrix.clone(), scale)
     return matrix if scale is None else matrix * scale.to(dtype)
 
 
-def rounding_error(matrix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def rounding_error(matrix: torch.Tensor, dtype: torch.dtype, blocks: bool = False) -> torch.Tensor:
     """What storing ``matrix`` in ``dtype`` changes it by (in ``matrix``'s dtype)."""
-    return decode(*encode(matrix, dtype), matrix.dtype) - matrix
+    return decode(*encode(matrix, dtype, blocks), matrix.dtype) - matrix
 
 
 @dataclass(frozen=True)

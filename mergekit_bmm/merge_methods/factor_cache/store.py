@@ -47,6 +47,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from mergekit_bmm.core import fixed_point
 from mergekit_bmm.core.closed_form import EigenFactors
 from mergekit_bmm.core.evidence import EvidenceTerms
 from mergekit_bmm.io.atomic import replacing
@@ -101,8 +102,10 @@ def checksum(tensor: torch.Tensor) -> int:
     return zlib.crc32(data.numpy())
 
 
-def _stored(name: str, matrix: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    stored, scale = encode(matrix, dtype)
+def _stored(
+    name: str, matrix: torch.Tensor, dtype: torch.dtype, blocks: bool = False
+) -> dict[str, torch.Tensor]:
+    stored, scale = encode(matrix, dtype, blocks)
     return {name: stored} if scale is None else {name: stored, name + SCALE_SUFFIX: scale}
 
 
@@ -181,7 +184,11 @@ class FactorCache:
             return self._reject(path, "the basis has the wrong shape")
         if eigenvalues.shape != (basis.shape[1],) or basis.dtype != precision:
             return self._reject(path, "the eigenvalues do not match the basis")
-        return StoredBasis(basis_id, eigenvalues.to(compute), basis, tensors.get("basis" + SCALE_SUFFIX))
+        scale = tensors.get("basis" + SCALE_SUFFIX)
+        blocks = (fixed_point.block_count(d_in), basis.shape[1])
+        if scale is not None and scale.shape not in ((basis.shape[1],), blocks):
+            return self._reject(path, "its scales do not match the basis")
+        return StoredBasis(basis_id, eigenvalues.to(compute), basis, scale)
 
     def store_basis(
         self,
@@ -193,7 +200,8 @@ class FactorCache:
     ) -> StoredBasis:
         """Write ``Q`` rounded to ``precision`` and ``Λ``; return what a later read gives."""
         path = basis_path(self.directory, basis_id, precision)
-        tensors = {"eigenvalues": eigenvalues.to(compute), **_stored("basis", basis, precision)}
+        # a basis in int16 gets a scale per block of rows (mergekit_bmm.core.fixed_point)
+        tensors = {"eigenvalues": eigenvalues.to(compute), **_stored("basis", basis, precision, blocks=True)}
         self._write(path, basis_id + str(precision), tensors, {})
         return StoredBasis(
             basis_id, tensors["eigenvalues"], tensors["basis"], tensors.get("basis" + SCALE_SUFFIX)
