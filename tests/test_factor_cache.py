@@ -193,7 +193,7 @@ def test_auto_precision_stays_within_1e_5_of_float32_factors(tmp_path, spread, e
 
 
 def test_a_stored_basis_has_a_scale_per_block_of_rows_and_products_decode_it():
-    """int16 bases keep a scale per column and block of 64 rows: every entry within half its block's
+    """int16 bases keep a scale per column and block of 256 rows: every entry within half its block's
     step (finer than one scale per column), and a trial's product equals the decoded basis'; a basis
     with one scale per column (caches written before) still merges as it did."""
     from dataclasses import replace
@@ -201,20 +201,22 @@ def test_a_stored_basis_has_a_scale_per_block_of_rows_and_products_decode_it():
     from mergekit_bmm.merge_methods.factor_cache import precision
 
     generator = torch.Generator().manual_seed(3)
-    basis, _ = torch.linalg.qr(torch.randn(200, 50, generator=generator, dtype=torch.float64))
+    basis, _ = torch.linalg.qr(torch.randn(600, 50, generator=generator, dtype=torch.float64))
     stored, scale = precision.encode(basis, precision.FIXED_POINT, blocks=True)
-    assert stored.dtype == torch.int16 and scale.shape == (4, 50)  # 200 rows: three blocks of 64 and 8
+    assert stored.dtype == torch.int16 and scale.shape == (3, 50)  # 600 rows: two blocks of 256 and 88
     error = precision.decode(stored, scale, torch.float64) - basis
-    steps = scale.double().repeat_interleave(64, dim=0)[:200]
+    steps = scale.double().repeat_interleave(256, dim=0)[:600]
     assert bool((error.abs() <= 0.5 * steps * (1 + 1e-6)).all())
     per_column = precision.rounding_error(basis, precision.FIXED_POINT)
     assert error.norm() < per_column.norm()
+    short, short_scale = precision.encode(basis[:256], precision.FIXED_POINT, blocks=True)
+    assert short_scale.shape == (50,)  # at most one block: one scale per column, as before
     correction = torch.randn(30, 50, generator=generator, dtype=torch.float64)
     factors = closed_form.EigenFactors(
         basis=stored,
         eigenvalues=torch.rand(50, generator=generator, dtype=torch.float64) + 0.1,
         correction=correction,
-        anchor=torch.randn(30, 200, generator=generator, dtype=torch.float64),
+        anchor=torch.randn(30, 600, generator=generator, dtype=torch.float64),
         mean_eigenvalue=0.6,
         basis_scale=scale,
     )

@@ -2,7 +2,7 @@
 
 A factor may be stored in 16 bits as *fixed point*: each column divided by its largest
 magnitude over 32767 and rounded to int16, the scales kept in float32 (a basis: each block of
-64 rows of a column by its own largest magnitude, :mod:`mergekit_bmm.core.fixed_point`). Its
+256 rows of a column by its own largest magnitude, :mod:`mergekit_bmm.core.fixed_point`). Its
 entries are dense and of one scale (eigenvectors, corrections, task vectors), so fixed point
 rounds them about 7× more finely than float16 at the same two bytes. Rounding reaches the merged weight
 ``W = W_pre + s·(U0 + (E Q·a) Qᵀ)`` as
@@ -46,7 +46,7 @@ def encode(
     ``blocks``, int16 with a scale per column and block of rows (:mod:`mergekit_bmm.core.fixed_point`)."""
     if dtype not in (torch.float16, FIXED_POINT):
         return matrix.to(dtype), None
-    if blocks and dtype == FIXED_POINT:
+    if blocks and dtype == FIXED_POINT and matrix.shape[0] > fixed_point.BLOCK_ROWS:
         scale = fixed_point.block_scales(matrix, _STEPS).to(torch.float32)
         steps = fixed_point.scale_rows(matrix.clone(), 1.0 / scale.to(matrix.dtype))
         return torch.round(steps).clamp_(-_STEPS, _STEPS).to(FIXED_POINT), scale
