@@ -268,6 +268,53 @@ def test_a_thin_basis_when_the_gram_has_fewer_rows_than_columns(tmp_path):
         assert tuple(handle.get_tensor("basis").shape) == (40, 24)
 
 
+def stored_names(cache: Path) -> set[str]:
+    """The tensors of the solved tensor's entry (bases aside)."""
+    from safetensors import safe_open
+
+    (entry,) = cache.glob("*.safetensors")
+    with safe_open(str(entry), framework="pt") as handle:
+        return set(handle.keys())
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "float32"])
+def test_an_anchor_in_a_thin_basis_is_stored_as_its_coordinates(tmp_path, cache_dtype):
+    """A data-free Task Arithmetic anchor lies in the span of the task vectors' rows, the thin
+    basis' span: the entry holds ``U0·Q`` (out × r) instead of ``U0`` (out × in), and merges stay
+    within the cache's budget of the float64 direct route, filled = read bit for bit."""
+    tensors = inputs(shape=(8, 40), tasks=3, seed=13)
+    exact = [t.double() for t in tensors]
+    filled = bmm(tensors, cache=str(tmp_path), cache_dtype=cache_dtype, **{"lambda": 0.1})
+    names = stored_names(tmp_path)
+    assert "anchor_in_basis" in names and "anchor" not in names
+    assert torch.equal(filled, bmm(tensors, cache=str(tmp_path), cache_dtype=cache_dtype, **{"lambda": 0.1}))
+    for lam in (1e-3, 0.1, 10.0):
+        for scale in (1.0, 2.2):
+            parameters = {"lambda": lam, "scale": scale}
+            reference = bmm(exact, compute_dtype="float64", **parameters).double()
+            cached = bmm(tensors, cache=str(tmp_path), cache_dtype=cache_dtype, **parameters).double()
+            assert relative_error(cached, reference) <= 1e-5, parameters
+
+
+def test_a_base_anchor_is_not_stored(tmp_path):
+    """``U0 = 0`` (the pretrained model as anchor) needs no anchor in the entry at all."""
+    tensors = inputs(seed=6)
+    for lam in (0.01, 1.0):
+        parameters = {"lambda": lam, "anchor_method": "pretrained"}
+        cached = bmm(tensors, cache=str(tmp_path), **parameters)
+        assert delta_error(cached, bmm(tensors, **parameters), tensors[0]) <= 1e-5
+    assert stored_names(tmp_path) & {"anchor", "anchor_in_basis"} == set()
+
+
+def test_an_anchor_outside_the_span_stays_dense(tmp_path):
+    """A TIES anchor trims entries one by one and leaves the rows' span: it is stored dense."""
+    tensors = inputs(shape=(8, 40), tasks=3, seed=13)
+    parameters = {"lambda": 0.1, "anchor_method": "ties", "density": 0.5}
+    cached = bmm(tensors, cache=str(tmp_path), **parameters)
+    assert "anchor" in stored_names(tmp_path)
+    assert delta_error(cached, bmm(tensors, **parameters), tensors[0]) <= 1e-5
+
+
 def test_the_key_covers_inputs_anchor_and_solve_settings(tmp_path, factorisations):
     tensors = inputs(seed=5)
     cache = str(tmp_path)

@@ -130,6 +130,11 @@ def test_the_full_route_the_cache_and_lambda_auto_agree_with_it(lora_family, tmp
         assert relative_error(merged["full"][name], reference) < 1e-4  # float32 full route on dense copies
         assert relative_error(merged["cached"][name], reference) < 1e-5
         assert torch.equal(merged["cached again"][name], merged["cached"][name])
+    from safetensors import safe_open
+
+    for entry in (tmp_path / "factors").glob("*.safetensors"):  # the anchor as k = 9 coordinates
+        with safe_open(str(entry), framework="pt") as handle:
+            assert "anchor" not in handle.keys() and handle.get_slice("anchor_in_basis").get_shape()[1] == 9
     for label in ("auto", "auto cached"):
         extra = {"cache": str(tmp_path / "factors")} if label == "auto cached" else {}
         merge_recipe_text(_recipe(base, adapters, **{"lambda": "auto", **extra}), tmp_path / label)

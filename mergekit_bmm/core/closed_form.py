@@ -89,9 +89,11 @@ class EigenFactors:
     # k × k float64 eigenproblem, whose eigenvalues are exact far below a float32 d_in floor.
     zero_floor: float | None = None
     # ``U0 = anchor_in_basis @ basisᵀ`` (``d_out × rank``), set instead of ``anchor`` when the anchor
-    # lies in the span (the LoRA route's Task Arithmetic or base anchor): ``U`` is then one product.
-    # Only on factors held in memory, whose basis carries no column scales.
+    # lies in the span of a thin basis (the LoRA route's Task Arithmetic anchor, a data-free Task
+    # Arithmetic anchor): ``U`` is then one product, and a cache stores ``out × rank`` instead of
+    # ``out × in``. Neither set: ``U0 = 0`` (the base as anchor).
     anchor_in_basis: torch.Tensor | None = None
+    anchor_in_basis_scale: torch.Tensor | None = None
     # ``U = rows @ U_k`` (``d_out × k``): these factors are then those of a ``k``-row problem whose
     # rows the update is a combination of (the LoRA data route's stacked ``B_t``; ``k = Σ r_t``), and
     # a trial costs ``k × in × r`` plus ``out × k × in`` instead of ``out × in × r``.
@@ -116,14 +118,19 @@ class EigenFactors:
         return EigenFactors(**moved)
 
     def with_dense_anchor(self) -> EigenFactors:
-        """The same factors with ``U0`` as a dense matrix (what the factor cache stores)."""
-        if self.anchor_in_basis is None:
+        """The same factors with ``U0`` as a dense matrix (a zero matrix for the base)."""
+        if self.anchor is not None:
             return self
-        anchor = self.anchor_in_basis @ self.basis.to(self.anchor_in_basis.dtype).T
-        return replace(self, anchor=anchor, anchor_in_basis=None)
+        dtype = self.eigenvalues.dtype
+        if self.anchor_in_basis is None:
+            anchor = self.correction.new_zeros((self.correction.shape[0], self.d_in), dtype=dtype)
+        else:
+            anchor = self.decoded("anchor_in_basis", dtype) @ self.decoded("basis", dtype).T
+        return replace(self, anchor=anchor, anchor_in_basis=None, anchor_in_basis_scale=None)
 
     def decoded(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """``basis``, ``correction`` or ``anchor`` itself in ``dtype`` (column scales applied)."""
+        """``basis``, ``correction``, ``anchor`` or ``anchor_in_basis`` itself in ``dtype`` (column
+        scales applied)."""
         scale = getattr(self, f"{name}_scale")
         if scale is not None and scale.ndim == 2:  # a scale per block of rows (a stored basis)
             return fixed_point.scale_rows(getattr(self, name).to(dtype, copy=True), scale)
@@ -300,10 +307,16 @@ def _anchor_plus(factors: EigenFactors, start: torch.Tensor | None, scale: float
 
 
 def _weighted(factors: EigenFactors, ridge: float) -> torch.Tensor:
-    """``E Q·a``, plus the anchor's coordinates when it lies in the basis' span."""
+    """``E Q·a``, plus the anchor's coordinates when it lies in the basis' span (their column
+    scales, and a basis' own, folded in as :func:`correction_weights` folds the correction's)."""
     weighted = torch.mul(factors.correction, correction_weights(factors, ridge))
     if factors.anchor_in_basis is not None:
-        weighted += factors.anchor_in_basis.to(weighted.dtype)
+        compute = weighted.dtype
+        column = torch.ones(factors.rank, dtype=compute, device=weighted.device)
+        for column_scale in (factors.anchor_in_basis_scale, factors.basis_scale):
+            if column_scale is not None and column_scale.ndim == 1:  # block scales: basis_for_product
+                column = column * column_scale.to(compute)
+        weighted.addcmul_(factors.anchor_in_basis.to(compute), column)
     return weighted
 
 
@@ -324,8 +337,10 @@ def _row_update(factors: EigenFactors, ridge: float) -> torch.Tensor:
     produced them (filled in memory or read back: BLAS's rounding follows the strides)."""
     inner = replace(factors, rows=None)
     weighted = _weighted(inner, ridge)
-    start = _anchor_plus(inner, None, 1.0, False)
-    return torch.addmm(start, weighted.contiguous(), inner.basis_for_product(weighted.dtype).T.contiguous())
+    basis = inner.basis_for_product(weighted.dtype).T.contiguous()
+    if inner.anchor is None:
+        return weighted.contiguous() @ basis
+    return torch.addmm(_anchor_plus(inner, None, 1.0, False), weighted.contiguous(), basis)
 
 
 def weight_from_factors(

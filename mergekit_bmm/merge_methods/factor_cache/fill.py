@@ -13,6 +13,7 @@ Gram's content, and their weights share one stored basis.
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -118,10 +119,9 @@ def fill_exact_factors(
     cache: FactorCache, name: str, key: str, exact: EigenFactors, base: torch.Tensor, settings: BMMSettings
 ) -> EigenFactors:
     """Store factors computed exactly elsewhere (float64; the LoRA subspace route) under ``key``."""
-    exact = exact.with_dense_anchor()  # the cache stores U0 dense, whatever the route held
     eigen = _Eigen(f"{key_digest(key)}-{uuid.uuid4().hex[:12]}", exact.eigenvalues, exact.basis)
     rounded = exact.eigenvalues.to(settings.compute_dtype).to(EXACT)  # as a read gives them
-    exact = replace(exact, eigenvalues=rounded, anchor=exact.anchor.to(EXACT))
+    exact = replace(exact, eigenvalues=rounded)
     return _store(cache, name, key, eigen, exact, base, settings)
 
 
@@ -162,6 +162,71 @@ def fill_row_factors(
     )
 
 
+@dataclass(frozen=True)
+class _AnchorLayout:
+    """How an entry holds ``U0``: dense, as its coordinates ``U0·Q`` in a thin basis, or not at all (0)."""
+
+    dense: torch.Tensor | None = None
+    coordinates: torch.Tensor | None = None
+    outside: float = 0.0  # ‖U0 − U0·Q·Qᵀ‖: what the coordinates leave out
+
+    def entries(self) -> int:
+        held = self.dense if self.dense is not None else self.coordinates
+        return 0 if held is None else held.numel()
+
+
+def _anchor_layouts(exact: EigenFactors, vectors: torch.Tensor) -> list[_AnchorLayout]:
+    """The ways this entry could hold its anchor, smallest first.
+
+    A base anchor (``U0 = 0``) is not stored. With a thin basis an anchor in its span (a data-free
+    Task Arithmetic anchor: the task vectors' rows span it) is ``out × r`` as coordinates instead of
+    ``out × in``; what it leaves out, ``‖U0‖² − ‖U0·Q‖²`` (``Q`` orthonormal; its float64 cancellation
+    is about 1e-8·‖U0‖), is charged to the error budget.
+    """
+    if exact.anchor is None and exact.anchor_in_basis is None:
+        return [_AnchorLayout()]
+    if exact.anchor is None:  # held in the basis by the route that computed it (exactly)
+        coordinates = exact.decoded("anchor_in_basis", EXACT)
+        return [_AnchorLayout(coordinates=coordinates), _AnchorLayout(dense=exact.with_dense_anchor().anchor)]
+    if not bool(exact.anchor.any()):
+        return [_AnchorLayout()]
+    layouts = [_AnchorLayout(dense=exact.anchor)]
+    if vectors.shape[1] < vectors.shape[0]:
+        coordinates = exact.anchor.to(EXACT) @ vectors.to(EXACT)
+        left = float(exact.anchor.to(EXACT).norm()) ** 2 - float(coordinates.norm()) ** 2
+        layouts.insert(0, _AnchorLayout(coordinates=coordinates, outside=math.sqrt(max(left, 0.0))))
+    return layouts
+
+
+def _precisions(
+    layout: _AnchorLayout, exact: EigenFactors, eigen: _Eigen, base: torch.Tensor, settings: BMMSettings
+) -> tuple[dict[str, torch.dtype], int] | None:
+    """Each factor's precision in this layout and the bytes they take; None where the layout cannot
+    keep the error budget (an anchor too far outside the basis' span)."""
+    sizes = {
+        "anchor": layout.entries(),
+        "correction": exact.correction.numel(),
+        "basis": eigen.vectors.numel(),
+    }
+    budget = _budget(settings, exact, base)
+    if layout.outside > 0.5 * budget.allowance:
+        return None
+    if settings.cache_dtype is not None:
+        chosen = dict.fromkeys(sizes, settings.cache_dtype)
+        return chosen, factor_precision.stored_bytes(chosen, sizes)
+    budget = replace(budget, allowance=math.sqrt(budget.allowance**2 - layout.outside**2))
+    columns = eigen.column_rounding(factor_precision.FIXED_POINT)
+    if layout.coordinates is None:
+        errors = factor_precision.shares(exact.correction, layout.dense, budget, columns)
+    else:
+        errors = factor_precision.shares_in_basis(exact.correction, layout.coordinates, budget, columns)
+    for precision in AUTO_BASES:  # the cheapest basis that keeps the budget
+        chosen = factor_precision.choose(errors, budget, precision, sizes)
+        if chosen["basis"] == precision:
+            break
+    return chosen, factor_precision.stored_bytes(chosen, sizes)
+
+
 def _store(
     cache: FactorCache,
     name: str,
@@ -171,28 +236,27 @@ def _store(
     base: torch.Tensor,
     settings: BMMSettings,
 ) -> EigenFactors:
-    """Each factor at the precision the budget allows, written; returned exactly as read back."""
-    compute, fixed = settings.compute_dtype, settings.cache_dtype
-    if fixed is not None:
-        chosen = dict.fromkeys(("anchor", "correction", "basis"), fixed)
-    else:
-        budget = _budget(settings, exact, base)
-        columns = eigen.column_rounding(factor_precision.FIXED_POINT)
-        errors = factor_precision.shares(exact.correction, exact.anchor, budget, columns)
-        sizes = {
-            "anchor": exact.anchor.numel(),
-            "correction": exact.correction.numel(),
-            "basis": eigen.vectors.numel(),
-        }
-        for precision in AUTO_BASES:  # the cheapest basis that keeps the budget
-            chosen = factor_precision.choose(errors, budget, precision, sizes)
-            if chosen["basis"] == precision:
-                break
-    stored = _stored_basis(cache, eigen, chosen["basis"], compute)
+    """Each factor at the precision the budget allows, in the anchor layout that takes the fewest
+    bytes, written; returned exactly as read back."""
+    fitted = [
+        (layout, *fit)
+        for layout in _anchor_layouts(exact, eigen.vectors)
+        if (fit := _precisions(layout, exact, eigen, base, settings)) is not None
+    ]  # a dense (or zero) anchor always fits; on a tie the smaller layout, listed first, wins
+    layout, chosen, _ = min(fitted, key=lambda item: item[2])
+    stored = _stored_basis(cache, eigen, chosen["basis"], settings.compute_dtype)
     scalars = {"mean_eigenvalue": exact.mean_eigenvalue, "diagonal_max": exact.diagonal_max}
     if exact.zero_floor is not None:
         scalars["zero_floor"] = exact.zero_floor
-    correction, anchor = exact.correction, exact.anchor
     return cache.store_factors(
-        name, key, stored, correction, anchor, chosen, scalars, compute, exact.evidence
+        name,
+        key,
+        stored,
+        exact.correction,
+        layout.dense,
+        chosen,
+        scalars,
+        settings.compute_dtype,
+        exact.evidence,
+        anchor_in_basis=layout.coordinates,
     )

@@ -13,6 +13,11 @@ rounds them about 7× more finely than float16 at the same two bytes. Rounding r
   is formed in the exact basis, so the basis' rounding only turns the result, and rounding
   errors are independent of ``EQ·a``).
 
+An anchor in the span of a thin basis may be stored as its coordinates ``U0·Q`` (``out × r``
+instead of ``out × in``; :func:`shares_in_basis`): their rounding is the anchor's share, and the
+basis then turns ``U0·Q + EQ·a``, so its share grows by the anchor's (measured at the budget's λ
+and at λ → ∞, where ``a = 0``).
+
 With ``cache_dtype: auto`` (the default) every factor starts in int16; where the three shares
 added in quadrature exceed ``TOLERANCE·‖W_pre‖`` at the corner of the default search boxes where
 they are largest (``λ = LAMBDA_FLOOR`` relative, or the merge's own λ if smaller;
@@ -87,16 +92,35 @@ class Budget:
 
 
 def shares(
-    correction: torch.Tensor, anchor: torch.Tensor, budget: Budget, basis_columns: torch.Tensor
+    correction: torch.Tensor, anchor: torch.Tensor | None, budget: Budget, basis_columns: torch.Tensor
 ) -> dict[str, float]:
     """What storing each factor in int16 adds to ``W`` (per unit s) at the budget's λ; the
-    basis' rounding moves its columns by ``basis_columns`` (``‖ΔQ_i‖``)."""
+    basis' rounding moves its columns by ``basis_columns`` (``‖ΔQ_i‖``). No anchor: ``U0 = 0``."""
     turned = (correction * budget.weights).norm(dim=0) * basis_columns.to(correction.dtype)
     return {
-        "anchor": float(rounding_error(anchor, FIXED_POINT).norm()),
+        "anchor": 0.0 if anchor is None else float(rounding_error(anchor, FIXED_POINT).norm()),
         "correction": float(rounding_error(correction, FIXED_POINT).mul_(budget.weights).norm()),
         "basis": float(turned.norm()),
     }
+
+
+def shares_in_basis(
+    correction: torch.Tensor, coordinates: torch.Tensor, budget: Budget, basis_columns: torch.Tensor
+) -> dict[str, float]:
+    """As :func:`shares`, for an anchor held as its coordinates ``U0·Q`` in the basis."""
+    columns = basis_columns.to(correction.dtype)
+    near = (correction * budget.weights + coordinates).norm(dim=0) * columns
+    far = coordinates.norm(dim=0) * columns
+    return {
+        "anchor": float(rounding_error(coordinates, FIXED_POINT).norm()),
+        "correction": float(rounding_error(correction, FIXED_POINT).mul_(budget.weights).norm()),
+        "basis": max(float(near.norm()), float(far.norm())),
+    }
+
+
+def stored_bytes(chosen: dict[str, torch.dtype], sizes: dict[str, int]) -> int:
+    """What the factors take on disk at the ``chosen`` precisions (scales aside)."""
+    return sum(sizes[name] * torch.empty((), dtype=chosen[name]).element_size() for name in sizes)
 
 
 def choose(

@@ -8,7 +8,8 @@ and does one ``(out × in × r)`` product.
 
 File layout:
 
-* ``<cache>/<tensor name>.<digest>.safetensors``: the tensor's correction and anchor, where
+* ``<cache>/<tensor name>.<digest>.safetensors``: the tensor's correction and anchor (dense
+  ``U0``, its coordinates ``U0·Q`` in a thin basis, or nothing for ``U0 = 0``), where
   ``digest`` hashes a *key*, a canonical JSON text describing everything the factors depend
   on (built by :mod:`mergekit_bmm.merge_methods.factor_cache.key`);
 * ``<cache>/bases/<id>.<precision>.safetensors``: ``Q`` and ``Λ`` of one eigendecomposition;
@@ -63,6 +64,7 @@ OPTIONAL_SCALARS = ("zero_floor",)  # EigenFactors.zero_floor, where the produce
 COLUMN_ENERGY = "column_energy"
 SCALE_SUFFIX = ".scale"
 ANCHOR = "anchor"
+ANCHOR_IN_BASIS = "anchor_in_basis"  # U0 = (this) @ Qᵀ: an anchor in a thin basis' span, out × r
 ROWS = "rows"  # U = rows @ (the entry's k-row update): the LoRA data route's stacked B_t, float32
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 _DTYPES = {str(dtype): dtype for dtype in (torch.int16, torch.float16, torch.float32, torch.float64)}
@@ -134,7 +136,10 @@ def _factors(
     basis: StoredBasis, tensors: dict[str, torch.Tensor], scalars: dict[str, float], compute: torch.dtype
 ) -> EigenFactors:
     correction, correction_scale = _in_compute(tensors, "correction", compute)
-    anchor, anchor_scale = _in_compute(tensors, ANCHOR, compute)
+    anchor, anchor_scale = _in_compute(tensors, ANCHOR, compute) if ANCHOR in tensors else (None, None)
+    in_basis, in_basis_scale = (
+        _in_compute(tensors, ANCHOR_IN_BASIS, compute) if ANCHOR_IN_BASIS in tensors else (None, None)
+    )
     stored_basis = basis.basis if basis.basis.dtype in _SIXTEEN_BITS else basis.basis.to(compute)
     evidence = None
     if COLUMN_ENERGY in tensors and all(name in scalars for name in EVIDENCE_SCALARS):
@@ -143,7 +148,7 @@ def _factors(
             column_energy=tensors[COLUMN_ENERGY].to(torch.float64),
             energy=scalars["energy"],
             observations=scalars["observations"],
-            rows=anchor.shape[0],
+            rows=correction.shape[0],
             mean_eigenvalue=scalars["mean_eigenvalue"],
         )
     rows = tensors.get(ROWS)
@@ -159,6 +164,8 @@ def _factors(
         basis_scale=basis.scale,
         correction_scale=correction_scale,
         anchor_scale=anchor_scale,
+        anchor_in_basis=in_basis,
+        anchor_in_basis_scale=in_basis_scale,
         evidence=evidence,
     )
 
@@ -214,7 +221,7 @@ class FactorCache:
         """The stored factors for ``key`` (None when absent, stale or corrupt)."""
         out_features, in_features = shape
         path = entry_path(self.directory, tensor_name, key)
-        read = self._read(path, key, {ANCHOR: (out_features, in_features)})
+        read = self._read(path, key, {ANCHOR: (out_features, in_features)}, required=("correction",))
         if read is None:
             return None
         tensors, metadata = read
@@ -231,6 +238,9 @@ class FactorCache:
             return self._reject(path, "its basis file is missing or unreadable")
         if correction is None or tuple(correction.shape) != (out_features, basis.basis.shape[1]):
             return self._reject(path, "its correction does not match its basis")
+        in_basis = tensors.get(ANCHOR_IN_BASIS)
+        if in_basis is not None and (ANCHOR in tensors or in_basis.shape != correction.shape):
+            return self._reject(path, "its anchor does not match its basis")
         column_energy = tensors.get(COLUMN_ENERGY)
         if column_energy is not None and tuple(column_energy.shape) != (basis.basis.shape[1],):
             return self._reject(path, "its evidence terms do not match its basis")
@@ -242,20 +252,22 @@ class FactorCache:
         key: str,
         basis: StoredBasis,
         correction: torch.Tensor,
-        anchor: torch.Tensor,
+        anchor: torch.Tensor | None,
         precisions: dict[str, torch.dtype],
         scalars: dict[str, float],
         compute: torch.dtype,
         evidence: EvidenceTerms | None = None,
         rows: torch.Tensor | None = None,
+        anchor_in_basis: torch.Tensor | None = None,
     ) -> EigenFactors:
-        """Write the correction and anchor rounded to their ``precisions`` (and the evidence's
-        terms, exact: O(r) numbers; ``rows`` in float32); return exactly what a later read gives
-        (in ``compute``)."""
-        tensors = {
-            **_stored("correction", correction, precisions["correction"]),
-            **_stored(ANCHOR, anchor, precisions["anchor"]),
-        }
+        """Write the correction and the anchor (dense, or as ``anchor_in_basis`` coordinates, or
+        neither for ``U0 = 0``) rounded to their ``precisions`` (and the evidence's terms, exact:
+        O(r) numbers; ``rows`` in float32); return exactly what a later read gives (in ``compute``)."""
+        tensors = _stored("correction", correction, precisions["correction"])
+        if anchor is not None:
+            tensors.update(_stored(ANCHOR, anchor, precisions["anchor"]))
+        elif anchor_in_basis is not None:
+            tensors.update(_stored(ANCHOR_IN_BASIS, anchor_in_basis, precisions["anchor"]))
         if rows is not None:
             tensors[ROWS] = rows.to(torch.float32)
         scalars = dict(scalars)
@@ -278,8 +290,15 @@ class FactorCache:
 
     # -- files -----------------------------------------------------------------------
     def _read(
-        self, path: Path, key: str, expected: dict[str, tuple[int, ...]]
+        self,
+        path: Path,
+        key: str,
+        expected: dict[str, tuple[int, ...]],
+        required: tuple[str, ...] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+        """The file's tensors and metadata, checked: tensors in ``expected`` have those shapes when
+        present, and those ``required`` (default: all of ``expected``) are there."""
+        required = tuple(expected) if required is None else required
         try:
             status = path.stat()
         except OSError:
@@ -295,7 +314,7 @@ class FactorCache:
                     raise CorruptEntry("its key differs from this merge's")
                 sums = json.loads(metadata.get("checksums", "{}"))
                 names = set(handle.keys())
-                if set(sums) != names or not set(expected) <= names:
+                if set(sums) != names or not set(required) <= names:
                     raise CorruptEntry("tensors are missing")
                 tensors = {}
                 for name in sorted(names):
