@@ -77,7 +77,7 @@ class EigenFactors:
     basis: torch.Tensor
     eigenvalues: torch.Tensor
     correction: torch.Tensor
-    anchor: torch.Tensor | None  # None: the anchor lies in the basis' span (``anchor_in_basis``)
+    anchor: torch.Tensor | None  # None: in the basis' span (``anchor_in_basis``), or 0 when that is None too
     mean_eigenvalue: float
     diagonal_max: float | None = None
     basis_scale: torch.Tensor | None = None
