@@ -13,9 +13,15 @@ reproduces the fill bit for bit; with ``compare_to`` (the ``--out`` folder of a 
 code) the largest relative difference ``‖W − W_before‖ / ‖W_before‖`` of any merged tensor for the
 fill, the trial and the default search boxes' worst corner (λ = 1e-3, s = 2.2), merged from float32
 inputs into float32 (bmm writes its inputs' dtype: bfloat16 rounding would hide the compute's error).
-``sharing=input`` merges with ``gram_sharing: input`` (q/k/v and gate/up one data-free Gram, one basis).
+``sharing=input`` merges with ``gram_sharing: input`` (q/k/v and gate/up one data-free Gram, one basis);
+``anchor`` is bmm's ``anchor_method``; ``moved`` and ``modes`` choose the families and Gram modes;
+``float32_check`` adds the largest relative difference of a merged tensor between the default
+(``cache_dtype: auto``) factors and float32 factors at those three points, both merged from float32
+inputs into float32.
 
     python -m bench.perf cache_fit --out /tmp/cache-fit/after --set compare_to=/tmp/cache-fit/before
+    python -m bench.perf cache_fit --set real_model=false --set hidden=2048 --set layers=1 --set heads=32 \
+        --set kv_heads=8 --set moved=4 --set modes=data_free --set float32_check=true --rounds 1 --warmup 0
 """
 
 from __future__ import annotations
@@ -107,11 +113,17 @@ ACCURACY = {"fill": {}, "trial": {"lambda": 0.05, "scale": 1.1}, "corner": {"lam
 
 
 def recipe_text(
-    paths: dict, mode: str, stats: Path | None, dtype: str = "bfloat16", sharing: str = "weight", **extra
+    paths: dict,
+    mode: str,
+    stats: Path | None,
+    dtype: str = "bfloat16",
+    sharing: str = "weight",
+    anchor: str = "task_arithmetic",
+    **extra,
 ) -> str:
     import yaml
 
-    parameters = {"anchor_method": "task_arithmetic", "lambda": 0.1, "gram": mode, **extra}
+    parameters = {"anchor_method": anchor, "lambda": 0.1, "gram": mode, **extra}
     if sharing != "weight":
         parameters["gram_sharing"] = sharing
     if mode != "data_free":
@@ -155,14 +167,17 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def accuracy_merges(where: Path, paths: dict, mode: str, stats: Path | None, sharing: str) -> None:
+def accuracy_merges(
+    where: Path, paths: dict, mode: str, stats: Path | None, recipe, tag: str, **extra
+) -> None:
     """The fill, a trial and the default boxes' worst corner (λ 1e-3, s 2.2) with float32 inputs
-    and outputs: bmm returns the inputs' dtype, so only float32 shows the compute's own error."""
-    cache = fresh(where / "cache-float32")
+    and outputs (bmm returns the inputs' dtype, so only float32 shows the compute's own error), into
+    ``<tag>-<point>`` folders: ``f32`` with the default factors (what ``compare_to`` reads)."""
+    cache = fresh(where / f"cache-{tag}")
     for what, settings in ACCURACY.items():
         merge(
-            recipe_text(paths, mode, stats, "float32", sharing, cache=str(cache), **settings),
-            where / f"f32-{what}",
+            recipe(paths, mode, stats, "float32", cache=str(cache), **extra, **settings),
+            where / f"{tag}-{what}",
         )
 
 
@@ -175,25 +190,35 @@ def _sources(parameters: dict[str, Any], root: Path) -> Path:
         4 * parameters["hidden"],
         parameters["layers"],
         1,
-        heads=4,
-        kv_heads=2,
+        heads=parameters["heads"],
+        kv_heads=parameters["kv_heads"],
     )
     return Path(shape["base"])
+
+
+def _chosen(value: Any) -> list[str]:
+    """A ``--set`` list: ``4,1`` or a single value."""
+    return [item.strip() for item in str(value).split(",") if item.strip()]
 
 
 def _cases(parameters: dict[str, Any], root: Path):
     """(name, mode, paths, statistics) of every family and Gram mode measured."""
     source = _sources(parameters, root)
-    for name, strength in FAMILIES.items():
-        paths = family(root / "models", strength, source)
-        stats = statistics(root / "models", paths)
-        for mode in MODES:
+    for name in (f"moved {moved}%" for moved in _chosen(parameters["moved"])):
+        paths = family(root / "models", FAMILIES[name], source)
+        modes = [mode for mode in MODES if mode in _chosen(parameters["modes"])]
+        stats = statistics(root / "models", paths) if "activations" in modes else None
+        for mode in modes:
             yield name, mode, paths, stats
+
+
+def _recipe(parameters: dict[str, Any]):
+    return partial(recipe_text, sharing=parameters["sharing"], anchor=parameters["anchor"])
 
 
 def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     groups = []
-    recipe = partial(recipe_text, sharing=parameters["sharing"])
+    recipe = _recipe(parameters)
     for name, mode, paths, stats in _cases(parameters, root):
         where = root / "cases" / name.replace(" ", "-").replace("%", "") / mode
         merge(
@@ -220,7 +245,7 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
 def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per family and mode: the cache against the model, the re-read, and Δ against an earlier run."""
     out: dict[str, Any] = {}
-    recipe = partial(recipe_text, sharing=parameters["sharing"])
+    recipe = _recipe(parameters)
     for name, mode, paths, stats in _cases(parameters, root):
         where = root / "cases" / name.replace(" ", "-").replace("%", "") / mode
         size, model = folder_bytes(where / "cache"), folder_bytes(paths["base"])
@@ -229,11 +254,18 @@ def figures(parameters: dict[str, Any], root: Path, rows: list[dict[str, Any]]) 
         same = all(torch.equal(reread[k], filled[k]) for k in filled)
         line = f"cache {size / 1e6:.1f} MB = {size / model:.2f} × the model; re-read "
         line += "equal" if same else "DIFFERS"
+        if parameters["compare_to"] or parameters["float32_check"]:
+            accuracy_merges(where, paths, mode, stats, recipe, "f32")
         if parameters["compare_to"]:
-            accuracy_merges(where, paths, mode, stats, parameters["sharing"])
             there = Path(parameters["compare_to"]) / "cases" / where.relative_to(root / "cases")
             line += "; Δ " + ", ".join(
                 f"{what} {largest_difference(where / f'f32-{what}', there / f'f32-{what}'):.1e}"
+                for what in ACCURACY
+            )
+        if parameters["float32_check"]:
+            accuracy_merges(where, paths, mode, stats, recipe, "factors32", cache_dtype="float32")
+            line += "; against float32 factors " + ", ".join(
+                f"{what} {largest_difference(where / f'f32-{what}', where / f'factors32-{what}'):.1e}"
                 for what in ACCURACY
             )
         out[f"{name} / {mode}"] = line
@@ -249,7 +281,13 @@ WORKLOAD = Workload(
             "hidden": 576,
             "layers": 30,
             "sharing": "weight",
+            "anchor": "task_arithmetic",
+            "heads": 4,
+            "kv_heads": 2,
+            "moved": "4,1",
+            "modes": ",".join(MODES),
             "compare_to": "",
+            "float32_check": False,
             "rounds": 3,
         },
         "quick": {"real_model": False, "hidden": 64, "layers": 1, "rounds": 1},
@@ -259,6 +297,7 @@ WORKLOAD = Workload(
     notes=lambda p: (
         "SmolLM2-135M-Instruct (or a random model of its shape), 3 experts, bfloat16"
         if p["real_model"]
-        else f"random Llama, hidden {p['hidden']}, {p['layers']} layers, 3 experts, bfloat16"
+        else f"random Llama, hidden {p['hidden']}, {p['layers']} layers, {p['heads']}/{p['kv_heads']} "
+        f"heads, 3 experts, bfloat16; anchor {p['anchor']}, gram_sharing {p['sharing']}"
     ),
 )
