@@ -117,6 +117,33 @@ def test_language_table_lists_every_anchor_and_its_bmm_row():
     assert "| ties + BMM (data-free, K=4; block0.scale=1.2) | 60.0 / 50.0 | 50.0 |" in text
 
 
+def test_searches_without_labels_are_paired_with_the_labelled_search_the_defaults_and_entropy():
+    """Each label-free search's test gain as a share of the labelled search's, and its paired
+    difference from the labelled search, the defaults and the other objective (issue 59's columns)."""
+    from bench.merging.language.label_free import label_free_pairs
+    from bench.merging.report.language import label_free_summary
+
+    free = {"agreement": {"model_id": "d"}, "entropy": {"model_id": "e"}}
+    pairs = label_free_pairs("ties", {"bmm": {"label_free": free}})
+    assert ("bmm agreement over ties", "bmm over ties") in pairs
+    assert ("bmm entropy over ties", "bmm defaults over ties") in pairs
+    assert ("bmm agreement over ties", "bmm entropy over ties") in pairs
+    assert ("bmm agreement over ties", "ties") in pairs
+    found = {
+        "bmm over ties - ties": {"delta": 0.02, "low": 0.01, "high": 0.03},
+        "bmm data_assisted over ties - ties": {"delta": 0.01, "low": 0.0, "high": 0.02},
+        "bmm agreement over ties - ties": {"delta": 0.016, "low": 0.005, "high": 0.03},
+        "bmm agreement over ties - bmm over ties": {"delta": -0.004, "low": -0.01, "high": 0.002},
+        "bmm agreement over ties - bmm defaults over ties": {"delta": -0.001, "low": -0.01, "high": 0.008},
+        "bmm agreement over ties - bmm entropy over ties": {"delta": 0.01, "low": 0.004, "high": 0.016},
+    }
+    text = label_free_summary(found)
+    assert "(agreement): +1.6 over ties (80% of the labelled search's +2.0)" in text
+    assert "-0.4 [-1.0, +0.2] against the labelled search" in text
+    assert "+1.0 [+0.4, +1.6] against entropy" in text
+    assert "data_assisted" not in text  # a labelled setting, not a search without labels
+
+
 @pytest.fixture()
 def tiny_llama(tmp_path):
     from mergekit_bmm.examples.tiny_models import make_tiny_family

@@ -37,6 +37,21 @@ def bmm_models(anchor: str, bmm: dict[str, Any], setting: str = "data_free") -> 
     return models
 
 
+def label_free_pairs(anchor: str, entry: dict[str, Any]) -> list[tuple[str, str]]:
+    """What each search over ``anchor`` that read no labels is paired against on test, by the
+    intervals' names: the anchor (its gain), the labelled search and the defaults over the same anchor,
+    and agreement against entropy and the answer's position against every position."""
+    free = (entry.get("bmm") or {}).get("label_free") or {}
+    pairs = []
+    for objective in free:
+        name = f"bmm {objective} over {anchor}"
+        pairs += [(name, anchor), (name, f"bmm over {anchor}"), (name, f"bmm defaults over {anchor}")]
+    for first, second in (("agreement", "entropy"), ("agreement-last", "agreement")):
+        if first in free and second in free:
+            pairs.append((f"bmm {first} over {anchor}", f"bmm {second} over {anchor}"))
+    return pairs
+
+
 def every_bmm_model(anchor: str, entry: dict[str, Any]) -> dict[str, str]:
     """The paired intervals' names of every BMM model over ``anchor`` (each setting's)."""
     models = bmm_models(anchor, entry["bmm"]) if "bmm" in entry else {}

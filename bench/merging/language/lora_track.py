@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from bench.merging.cache import ScoreCache, Stage, model_folder_fingerprint, sta
 from bench.merging.config import LoraTrackSpec, RunConfig
 from bench.merging.finetune import deterministic
 from bench.merging.intervals import paired_difference
-from bench.merging.language.label_free import every_bmm_model
+from bench.merging.language.label_free import every_bmm_model, label_free_pairs
 from bench.merging.language.lm_eval_runner import score_lm, summarize, test_documents
 from bench.merging.language.lm_finetune import collate, encode_example
 from bench.merging.language.mc_tasks import MCTask
@@ -179,6 +179,7 @@ def run_lora_track(
         say(f"LoRA      {task.name:18s} {record['info']['steps']} steps {'(cached)' if cached else ''}")
     experts = [f"{model_dir}+{adapters[t.name]}" for t in tasks]
     models: dict[str, str] = {}
+    label_free: list[tuple[str, str]] = []  # each search that read no labels against its peers
     out["anchors"] = {}
     search = spec.search or language.search
     stats = None  # the adapters' statistics: data-assisted and mix BMM, RegMean
@@ -191,6 +192,7 @@ def run_lora_track(
         out["anchors"][anchor_spec.name] = anchor
         models[anchor_spec.name] = anchor["model_id"]
         models.update(every_bmm_model(anchor_spec.name, anchor))
+        label_free += label_free_pairs(anchor_spec.name, anchor)
     out["peft"] = {}
     ordered = [adapters[t.name] for t in tasks]
     for method in spec.peft_methods:
@@ -200,7 +202,7 @@ def run_lora_track(
     for variant in spec.knots:
         out["knots"][variant] = tuned_knots(variant, spec, model_dir, ordered, scoring, cache_dir)
         models[f"knots {variant}"] = out["knots"][variant]["model_id"]
-    out["intervals"] = intervals(models, scoring)
+    out["intervals"] = intervals(models, scoring, label_free)
     return out
 
 
@@ -269,17 +271,21 @@ def tuned(
     return {"model_id": key, **point, "validation_sweep": sweep, "scores": summarize(scores)}
 
 
-def intervals(models: dict[str, str], scoring: Scoring) -> dict[str, dict[str, float]]:
-    """Paired bootstrap over test documents: each BMM against each PEFT method and each anchor."""
+def intervals(
+    models: dict[str, str], scoring: Scoring, extra: Sequence[tuple[str, str]] = ()
+) -> dict[str, dict[str, float]]:
+    """Paired bootstrap over test documents: each BMM against each PEFT method and each anchor, and
+    the ``extra`` pairs (each search that read no labels against the labelled one and the defaults)."""
     documents = {
         name: test_documents(model_id, scoring.tasks, scoring.cache, scoring.limit)
         for name, model_id in models.items()
     }
     bmm = [name for name in models if name.startswith("bmm ")]
     others = [name for name in models if not name.startswith("bmm ")]
+    pairs = [(first, second) for first in bmm for second in others]
+    pairs += [pair for pair in extra if pair not in pairs and all(name in documents for name in pair)]
     out = {}
-    for first in bmm:
-        for second in others:
-            delta, low, high = (round(v, 4) for v in paired_difference(documents[first], documents[second]))
-            out[f"{first} - {second}"] = {"delta": delta, "low": low, "high": high}
+    for first, second in pairs:
+        delta, low, high = (round(v, 4) for v in paired_difference(documents[first], documents[second]))
+        out[f"{first} - {second}"] = {"delta": delta, "low": low, "high": high}
     return out

@@ -19,7 +19,7 @@ from bench.merging.cache import ScoreCache, write_json
 from bench.merging.config import RunConfig
 from bench.merging.intervals import paired_difference
 from bench.merging.language.convert import prepare_language_model
-from bench.merging.language.label_free import every_bmm_model, label_free_searches
+from bench.merging.language.label_free import every_bmm_model, label_free_pairs, label_free_searches
 from bench.merging.language.lm_eval_runner import (
     lm_score_key,
     needs_scoring,
@@ -116,6 +116,7 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
     if work.exists():
         shutil.rmtree(work)
     expert_dirs = [experts[t.name] for t in tasks]
+    label_free: list[tuple[str, str]] = []  # each search that read no labels against its peers
     stats = None
     # data-assisted BMM and RegMean read the experts' Grams
     needs = any(a.method == "regmean" for a in spec.anchors) or set(spec.search.settings) != {"data_free"}
@@ -130,6 +131,7 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
         over = (config, cache_dir, model_dir, "task_arithmetic", anchor_dir, expert_dirs, tasks, include)
         out.update(bmm_over(over, timings, spec.search, stats))
         models.update(every_bmm_model("task_arithmetic", out))
+        label_free += label_free_pairs("task_arithmetic", out)
     out["anchors"] = {}
     for anchor_spec in spec.anchors:
         anchor = tuned_anchor(
@@ -138,11 +140,12 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
         out["anchors"][anchor_spec.name] = anchor
         models[anchor_spec.name] = anchor["model_id"]
         models.update(every_bmm_model(anchor_spec.name, anchor))
+        label_free += label_free_pairs(anchor_spec.name, anchor)
     if spec.lora.enabled:  # the same tasks with LoRA experts: BMM against PEFT's adapter merges
         from bench.merging.language.lora_track import run_lora_track
 
         out["lora"] = run_lora_track(config, cache_dir, model_dir, model_fp, tasks, include, tuned_anchor)
-    out["intervals"] = _intervals(models, expert_ids, tasks, cache, limit)
+    out["intervals"] = _intervals(models, expert_ids, tasks, cache, limit, label_free)
     out["timings"] = timings
     write_json(
         cache_dir / "runs" / config.name / "language.json",
@@ -317,10 +320,12 @@ def _bmm_over_anchor(
     }
 
 
-def _intervals(models: dict[str, str], expert_ids: dict[str, str], tasks, cache, limit) -> dict[str, Any]:
+def _intervals(
+    models: dict[str, str], expert_ids: dict[str, str], tasks, cache, limit, extra: list[tuple[str, str]]
+) -> dict[str, Any]:
     """Paired bootstrap 95 % intervals over test documents (``bench.merging.intervals``): each
-    BMM against its anchor, and the range (experts, each on its own task, against the pretrained
-    model and Task Arithmetic)."""
+    BMM against its anchor, the range (experts, each on its own task, against the pretrained
+    model and Task Arithmetic), and the ``extra`` pairs (the searches that read no labels)."""
     documents = {name: test_documents(model_id, tasks, cache, limit) for name, model_id in models.items()}
     documents["experts"] = {
         t.name: test_documents(expert_ids[t.name], [t], cache, limit)[t.name] for t in tasks
@@ -339,6 +344,7 @@ def _intervals(models: dict[str, str], expert_ids: dict[str, str], tasks, cache,
         for name in models
         if name.startswith("bmm auto over ")
     ]
+    pairs += extra
     out = {}
     for first, second in pairs:
         if first in documents and second in documents:

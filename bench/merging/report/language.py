@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from bench.merging.report.cells import table_head
@@ -60,8 +61,48 @@ def language_markdown(language: dict[str, Any]) -> str:
 def _interval_rows(found: dict[str, dict[str, float]]) -> str:
     rows = ["| comparison (test) | Δ (points) | 95 % interval |", "|---|---|---|"]
     for name, d in found.items():
-        rows.append(f"| {name} | {100 * d['delta']:+.1f} | [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] |")
-    return "\n".join(rows)
+        rows.append(f"| {name} | {_points(d)} |")
+    text = "\n".join(rows)
+    summary = label_free_summary(found)
+    return text + ("\n\n" + summary if summary else "")
+
+
+def _points(d: dict[str, float]) -> str:
+    return f"{100 * d['delta']:+.1f} | [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]"
+
+
+_GAIN = re.compile(r"^bmm (?P<objective>\S+) over (?P<anchor>\S+) - (?P=anchor)$")
+_PEERS = (("bmm over {a}", "the labelled search"), ("bmm defaults over {a}", "the defaults"))
+_PEERS += (("bmm entropy over {a}", "entropy"), ("bmm agreement over {a}", "agreement"))
+
+
+def label_free_summary(found: dict[str, dict[str, float]]) -> str:
+    """Each search that read no labels, from the paired intervals: its test gain over its anchor as a
+    share of the labelled search's, and its paired difference from the labelled search, the defaults
+    and the other objectives (intervals in brackets)."""
+    lines = []
+    for key, gain in found.items():
+        match = _GAIN.match(key)
+        if not match:
+            continue
+        objective, anchor = match["objective"], match["anchor"]
+        name = f"bmm {objective} over {anchor}"
+        labelled = found.get(f"bmm over {anchor} - {anchor}")
+        if f"{name} - bmm over {anchor}" not in found or labelled is None:
+            continue  # not a search that read no labels
+        delta = labelled["delta"]
+        share = (
+            f"{gain['delta'] / delta:.0%} of the labelled search's" if delta > 0 else "the labelled search's"
+        )
+        parts = [f"{100 * gain['delta']:+.1f} over {anchor} ({share} {100 * delta:+.1f})"]
+        for peer, label in _PEERS:
+            d = found.get(f"{name} - {peer.format(a=anchor)}")
+            if d is not None:
+                parts.append(
+                    f"{100 * d['delta']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] against {label}"
+                )
+        lines.append(f"- searched with no labels ({objective}): " + "; ".join(parts))
+    return "Searches that read no labels, on test (paired):\n\n" + "\n".join(lines) if lines else ""
 
 
 def lora_markdown(lora: dict[str, Any], tasks: list[str], row) -> str:
