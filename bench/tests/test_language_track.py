@@ -132,6 +132,8 @@ def test_searches_without_labels_are_paired_with_the_labelled_search_the_default
     found = {
         "bmm over ties - ties": {"delta": 0.02, "low": 0.01, "high": 0.03},
         "bmm data_assisted over ties - ties": {"delta": 0.01, "low": 0.0, "high": 0.02},
+        "bmm auto over ties - ties": {"delta": 0.01, "low": 0.0, "high": 0.02},
+        "bmm auto over ties - bmm over ties": {"delta": -0.01, "low": -0.02, "high": 0.0},
         "bmm agreement over ties - ties": {"delta": 0.016, "low": 0.005, "high": 0.03},
         "bmm agreement over ties - bmm over ties": {"delta": -0.004, "low": -0.01, "high": 0.002},
         "bmm agreement over ties - bmm defaults over ties": {"delta": -0.001, "low": -0.01, "high": 0.008},
@@ -141,7 +143,7 @@ def test_searches_without_labels_are_paired_with_the_labelled_search_the_default
     assert "(agreement): +1.6 over ties (80% of the labelled search's +2.0)" in text
     assert "-0.4 [-1.0, +0.2] against the labelled search" in text
     assert "+1.0 [+0.4, +1.6] against entropy" in text
-    assert "data_assisted" not in text  # a labelled setting, not a search without labels
+    assert "data_assisted" not in text and "(auto)" not in text  # searched with labels, or no search
 
 
 @pytest.fixture()

@@ -72,6 +72,7 @@ def _points(d: dict[str, float]) -> str:
 
 
 _GAIN = re.compile(r"^bmm (?P<objective>\S+) over (?P<anchor>\S+) - (?P=anchor)$")
+_ONE_MERGE = ("defaults", "auto", "candidate")  # BMM with no search, not a search without labels
 _PEERS = (("bmm over {a}", "the labelled search"), ("bmm defaults over {a}", "the defaults"))
 _PEERS += (("bmm entropy over {a}", "entropy"), ("bmm agreement over {a}", "agreement"))
 
@@ -86,6 +87,8 @@ def label_free_summary(found: dict[str, dict[str, float]]) -> str:
         if not match:
             continue
         objective, anchor = match["objective"], match["anchor"]
+        if objective in _ONE_MERGE:
+            continue
         name = f"bmm {objective} over {anchor}"
         labelled = found.get(f"bmm over {anchor} - {anchor}")
         if f"{name} - bmm over {anchor}" not in found or labelled is None:
