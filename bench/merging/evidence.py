@@ -98,7 +98,8 @@ def verdict(summary: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
             counts["defaults_reach_80"] += int(row["defaults_share"] >= DEFAULTS_BAR)
         # the same bar for each: a proposed default, λ from the evidence, a search with no labels
         for kind in ("candidate", "auto", "agreement", "agreement-last", "entropy"):
-            if row.get(f"{kind}_share") is not None:
+            if row.get(f"{kind}_share") is not None:  # measured where the search gained: out of how many
+                counts[f"{kind}_measured"] = counts.get(f"{kind}_measured", 0) + 1
                 counts[f"{kind}_reach_80"] = counts.get(f"{kind}_reach_80", 0) + int(
                     row[f"{kind}_share"] >= DEFAULTS_BAR
                 )

@@ -114,6 +114,21 @@ def test_range_and_summary_are_paired_bootstrap_figures():
     }
 
 
+def test_a_label_free_tally_counts_only_the_anchors_where_it_ran():
+    """Entropy searched over one anchor of two: its bar is out of one, not out of every anchor."""
+    cells = [
+        {"mode": "data_free", "above_anchor": True, "interval_above_zero": True, "defaults_share": 1.0},
+        {"mode": "data_free", "above_anchor": True, "interval_above_zero": False, "defaults_share": 0.5},
+    ]
+    cells[0].update(agreement_share=0.9, entropy_share=0.4)
+    cells[1].update(agreement_share=0.85)
+    counts = verdict(cells)["data_free"]
+    assert (
+        counts["search_gained"] == 2 and counts["agreement_measured"] == 2 and counts["entropy_measured"] == 1
+    )
+    assert counts["agreement_reach_80"] == 2 and counts["entropy_reach_80"] == 0
+
+
 def test_the_model_to_keep_is_chosen_on_validation_and_paired_on_test():
     rng = np.random.default_rng(1)
     best_anchor_flags, strong, weak = (_flags(rng, p) for p in (0.75, 0.8, 0.9))

@@ -220,14 +220,14 @@ def summary_markdown(results: dict[str, Any]) -> str:
         )
     tried = "; ".join(
         f"{mode} at {_parameters(next(c for c in summary if c['mode'] == mode and 'candidate_score' in c))}: "
-        f"{c['candidate_reach_80']} of the {c['search_gained']}"
+        f"{c['candidate_reach_80']} of the {c.get('candidate_measured', c['search_gained'])}"
         for mode, c in counts.items()
         if "candidate_reach_80" in c
     )
     if tried:
         text += f" A proposed default (`search.default_candidates`) reaching it — {tried}."
     automatic = "; ".join(
-        f"{mode}: {c['auto_reach_80']} of the {c['search_gained']}"
+        f"{mode}: {c['auto_reach_80']} of the {c.get('auto_measured', c['search_gained'])}"
         for mode, c in counts.items()
         if "auto_reach_80" in c
     )
@@ -241,10 +241,14 @@ def summary_markdown(results: dict[str, Any]) -> str:
         text += f"\n\n`lambda: auto` paired against BMM at its defaults (λ 0.1, s 1) on test — {against}."
     for kind in label_free:
         reach = "; ".join(
-            f"{mode}: {c.get(f'{kind}_reach_80', 0)} of the {c['search_gained']}"
+            f"{mode}: {c.get(f'{kind}_reach_80', 0)} of the {c.get(f'{kind}_measured', 0)} where it ran and "
+            f"the labelled search gained"
             for mode, c in counts.items()
+            if c.get(f"{kind}_measured")
         )
         versus = _paired_tally(counts, kind, "defaults")
+        if not reach:
+            continue
         text += (
             f"\n\nThe search with no labels ({LABEL_FREE_NAMES[kind]}, same K) reaching "
             f"{100 * DEFAULTS_BAR:.0f} % of the labelled search's Δ on test — {reach}. "
