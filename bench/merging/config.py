@@ -389,6 +389,10 @@ class LanguageSpec(_Strict):
         description="BMM (data-free) over each tuned anchor, searched with lm-eval; budget 0 = off",
     )
     lora: LoraTrackSpec = Field(default_factory=LoraTrackSpec, description="the same tasks with LoRA experts")
+    dense: bool = Field(
+        default=True,
+        description="false: no dense experts, Task Arithmetic of them or anchors (a run for the LoRA track)",
+    )
 
 
 class RunConfig(_Strict):

@@ -75,72 +75,82 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
     timings["pretrained_lm_eval_seconds"] = round(seconds, 1)
     out["pretrained"] = summarize(pretrained)
 
-    experts, out["experts"], out["indiv"] = {}, {}, {}
     models = {"pretrained": model_fp}  # model ids of what the intervals compare
-    expert_ids = {}
-    for task in tqdm(tasks, desc="LM experts", leave=False):
-        path, record, cached = build_lm_expert(
-            task, model_dir, model_fp, spec.finetune, spec.max_length, cache_dir
-        )
-        experts[task.name] = path
-        expert_ids[task.name] = record["fingerprint"]
-        info = record["info"]
-        out["experts"][task.name] = {
-            k: info[k] for k in ("steps", "epochs", "train_seconds", "loss_curve", "bytes")
-        }
-        say(
-            f"LM expert {task.name:18s} {info['steps']} steps, loss {info['loss_curve'][0]:.3f} -> "
-            f"{info['loss_curve'][-1]:.3f}, {info['train_seconds']:.0f} s {'(cached)' if cached else ''}"
-        )
-        own, _ = score_lm(
-            record["fingerprint"], path, [(task, "validation"), (task, "test")], include, cache, batch, limit
-        )
-        out["indiv"][task.name] = summarize(own)[task.name]
-
-    sweep, best = {}, None
-    work = cache_dir / "language" / "merges" / "work"
-    for weight in spec.task_arithmetic_weights:
-        recipe = task_arithmetic_recipe(model_dir, [experts[t.name] for t in tasks], weight)
-        scores = merge_and_score_lm(
-            recipe, [(t, "validation") for t in tasks], include, cache, batch, limit, work, timings
-        )
-        sweep[str(weight)] = round(mean([scores[(t.name, "validation")] for t in tasks]), 4)
-        if best is None or sweep[str(weight)] > sweep[str(best)]:
-            best = weight
-        say(f"LM task_arithmetic weight {weight:<4g} validation avg {sweep[str(weight)]:.4f}")
-    recipe = task_arithmetic_recipe(model_dir, [experts[t.name] for t in tasks], best)
-    jobs = [(t, s) for t in tasks for s in ("validation", "test")]
-    scores = merge_and_score_lm(recipe, jobs, include, cache, batch, limit, work, timings)
-    out["task_arithmetic"] = {"weight": best, "validation_sweep": sweep, "scores": summarize(scores)}
-    models["task_arithmetic"] = recipe_key(recipe)
-    if work.exists():
-        shutil.rmtree(work)
-    expert_dirs = [experts[t.name] for t in tasks]
+    expert_ids: dict[str, str] = {}
     label_free: list[tuple[str, str]] = []  # each search that read no labels against its peers
-    stats = None
-    # data-assisted BMM and RegMean read the experts' Grams
-    needs = any(a.method == "regmean" for a in spec.anchors) or set(spec.search.settings) != {"data_free"}
-    if needs and spec.search.budget > 0:
-        stats = expert_statistics(cache_dir, expert_dirs, tasks, spec.max_length)
-    if spec.search.budget > 0:
-        anchor_dir = (
-            cache_dir / "language" / "anchors" / f"task_arithmetic-{recipe_key(recipe).split(':')[1][:12]}"
-        )
-        anchor_dir.parent.mkdir(parents=True, exist_ok=True)
-        anchor_dir, _ = materialise(recipe, anchor_dir)
-        over = (config, cache_dir, model_dir, "task_arithmetic", anchor_dir, expert_dirs, tasks, include)
-        out.update(bmm_over(over, timings, spec.search, stats))
-        models.update(every_bmm_model("task_arithmetic", out))
-        label_free += label_free_pairs("task_arithmetic", out)
-    out["anchors"] = {}
-    for anchor_spec in spec.anchors:
-        anchor = tuned_anchor(
-            config, cache_dir, anchor_spec, model_dir, expert_dirs, tasks, include, timings, stats=stats
-        )
-        out["anchors"][anchor_spec.name] = anchor
-        models[anchor_spec.name] = anchor["model_id"]
-        models.update(every_bmm_model(anchor_spec.name, anchor))
-        label_free += label_free_pairs(anchor_spec.name, anchor)
+    if spec.dense:  # the dense experts, Task Arithmetic of them and BMM over it, the other anchors
+        experts, out["experts"], out["indiv"] = {}, {}, {}
+        for task in tqdm(tasks, desc="LM experts", leave=False):
+            path, record, cached = build_lm_expert(
+                task, model_dir, model_fp, spec.finetune, spec.max_length, cache_dir
+            )
+            experts[task.name] = path
+            expert_ids[task.name] = record["fingerprint"]
+            info = record["info"]
+            out["experts"][task.name] = {
+                k: info[k] for k in ("steps", "epochs", "train_seconds", "loss_curve", "bytes")
+            }
+            say(
+                f"LM expert {task.name:18s} {info['steps']} steps, loss {info['loss_curve'][0]:.3f} -> "
+                f"{info['loss_curve'][-1]:.3f}, {info['train_seconds']:.0f} s {'(cached)' if cached else ''}"
+            )
+            own, _ = score_lm(
+                record["fingerprint"],
+                path,
+                [(task, "validation"), (task, "test")],
+                include,
+                cache,
+                batch,
+                limit,
+            )
+            out["indiv"][task.name] = summarize(own)[task.name]
+
+        sweep, best = {}, None
+        work = cache_dir / "language" / "merges" / "work"
+        for weight in spec.task_arithmetic_weights:
+            recipe = task_arithmetic_recipe(model_dir, [experts[t.name] for t in tasks], weight)
+            scores = merge_and_score_lm(
+                recipe, [(t, "validation") for t in tasks], include, cache, batch, limit, work, timings
+            )
+            sweep[str(weight)] = round(mean([scores[(t.name, "validation")] for t in tasks]), 4)
+            if best is None or sweep[str(weight)] > sweep[str(best)]:
+                best = weight
+            say(f"LM task_arithmetic weight {weight:<4g} validation avg {sweep[str(weight)]:.4f}")
+        recipe = task_arithmetic_recipe(model_dir, [experts[t.name] for t in tasks], best)
+        jobs = [(t, s) for t in tasks for s in ("validation", "test")]
+        scores = merge_and_score_lm(recipe, jobs, include, cache, batch, limit, work, timings)
+        out["task_arithmetic"] = {"weight": best, "validation_sweep": sweep, "scores": summarize(scores)}
+        models["task_arithmetic"] = recipe_key(recipe)
+        if work.exists():
+            shutil.rmtree(work)
+        expert_dirs = [experts[t.name] for t in tasks]
+        stats = None
+        # data-assisted BMM and RegMean read the experts' Grams
+        needs = any(a.method == "regmean" for a in spec.anchors) or set(spec.search.settings) != {"data_free"}
+        if needs and spec.search.budget > 0:
+            stats = expert_statistics(cache_dir, expert_dirs, tasks, spec.max_length)
+        if spec.search.budget > 0:
+            anchor_dir = (
+                cache_dir
+                / "language"
+                / "anchors"
+                / f"task_arithmetic-{recipe_key(recipe).split(':')[1][:12]}"
+            )
+            anchor_dir.parent.mkdir(parents=True, exist_ok=True)
+            anchor_dir, _ = materialise(recipe, anchor_dir)
+            over = (config, cache_dir, model_dir, "task_arithmetic", anchor_dir, expert_dirs, tasks, include)
+            out.update(bmm_over(over, timings, spec.search, stats))
+            models.update(every_bmm_model("task_arithmetic", out))
+            label_free += label_free_pairs("task_arithmetic", out)
+        out["anchors"] = {}
+        for anchor_spec in spec.anchors:
+            anchor = tuned_anchor(
+                config, cache_dir, anchor_spec, model_dir, expert_dirs, tasks, include, timings, stats=stats
+            )
+            out["anchors"][anchor_spec.name] = anchor
+            models[anchor_spec.name] = anchor["model_id"]
+            models.update(every_bmm_model(anchor_spec.name, anchor))
+            label_free += label_free_pairs(anchor_spec.name, anchor)
     if spec.lora.enabled:  # the same tasks with LoRA experts: BMM against PEFT's adapter merges
         from bench.merging.language.lora_track import run_lora_track
 
@@ -327,9 +337,10 @@ def _intervals(
     BMM against its anchor, the range (experts, each on its own task, against the pretrained
     model and Task Arithmetic), and the ``extra`` pairs (the searches that read no labels)."""
     documents = {name: test_documents(model_id, tasks, cache, limit) for name, model_id in models.items()}
-    documents["experts"] = {
-        t.name: test_documents(expert_ids[t.name], [t], cache, limit)[t.name] for t in tasks
-    }
+    if expert_ids:  # the dense experts (a run for the LoRA track has none)
+        documents["experts"] = {
+            t.name: test_documents(expert_ids[t.name], [t], cache, limit)[t.name] for t in tasks
+        }
     pairs = [("experts", "pretrained"), ("experts", "task_arithmetic")]
     pairs += [(name, name.removeprefix("bmm over ")) for name in models if name.startswith("bmm over ")]
     for prefix in ("bmm defaults over ", "bmm auto over ", "bmm candidate over "):  # one merge vs its anchor

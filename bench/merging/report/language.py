@@ -35,7 +35,8 @@ def language_markdown(language: dict[str, Any]) -> str:
         lines.append(row(_bmm_label("task_arithmetic", language["bmm"]), language["bmm"]["scores"]))
         lines += _one_merge_rows(row, "task_arithmetic", language["bmm"])
     lines += _anchor_rows(row, language.get("anchors", {}))
-    lines.append(row("Indiv. (each expert on its task)", language["indiv"]))
+    if language.get("indiv"):  # a run for the LoRA track trains no dense experts
+        lines.append(row("Indiv. (each expert on its task)", language["indiv"]))
     limit = language.get("eval_limit")
     text = (
         "Cells: validation / test accuracy (%), lm-eval `acc`"
