@@ -163,10 +163,11 @@ def test_float16_factors_halve_the_cache_at_a_small_measured_error(tmp_path):
         half, bmm(tensors, cache=str(tmp_path / "f16"), cache_dtype="float16", **{"lambda": 0.1})
     )
     weights = 96 * 64
-    # Q (in × in), the correction E·Q and the anchor U0 (out × in): 4·(in/out + 2) bytes per
-    # weight in float32, half that in float16 (plus a float32 scale per column).
-    assert cache_bytes(tmp_path / "f32") / weights == pytest.approx(4 * (64 / 96 + 2), rel=0.05)
-    assert cache_bytes(tmp_path / "f16") / weights == pytest.approx(2 * (64 / 96 + 2), rel=0.15)
+    # Q (in × in) and the correction E·Q (out × in); the anchor, Task Arithmetic, is recomputed by
+    # every merge: 4·(in/out + 1) bytes per weight in float32, half that in float16 (plus a float32
+    # scale per column and the evidence's terms).
+    assert cache_bytes(tmp_path / "f32") / weights == pytest.approx(4 * (64 / 96 + 1), rel=0.1)
+    assert cache_bytes(tmp_path / "f16") / weights == pytest.approx(2 * (64 / 96 + 1), rel=0.2)
 
 
 @pytest.mark.parametrize("spread, expected", [(1e-3, torch.int16), (0.3, torch.float32)])
@@ -279,21 +280,65 @@ def stored_names(cache: Path) -> set[str]:
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "float32"])
 def test_an_anchor_in_a_thin_basis_is_stored_as_its_coordinates(tmp_path, cache_dtype):
-    """A data-free Task Arithmetic anchor lies in the span of the task vectors' rows, the thin
-    basis' span: the entry holds ``U0·Q`` (out × r) instead of ``U0`` (out × in), and merges stay
-    within the cache's budget of the float64 direct route, filled = read bit for bit."""
+    """mergekit's ``linear`` anchor (not one the cache recomputes) lies in the span of the task
+    vectors' rows, the thin data-free basis' span: the entry holds ``U0·Q`` (out × r) instead of
+    ``U0`` (out × in), and merges stay within the cache's budget of the float64 direct route,
+    filled = read bit for bit."""
     tensors = inputs(shape=(8, 40), tasks=3, seed=13)
     exact = [t.double() for t in tensors]
-    filled = bmm(tensors, cache=str(tmp_path), cache_dtype=cache_dtype, **{"lambda": 0.1})
+    linear = {"anchor_method": "linear", "lambda": 0.1}
+    filled = bmm(tensors, cache=str(tmp_path), cache_dtype=cache_dtype, **linear)
     names = stored_names(tmp_path)
     assert "anchor_in_basis" in names and "anchor" not in names
-    assert torch.equal(filled, bmm(tensors, cache=str(tmp_path), cache_dtype=cache_dtype, **{"lambda": 0.1}))
+    assert torch.equal(filled, bmm(tensors, cache=str(tmp_path), cache_dtype=cache_dtype, **linear))
     for lam in (1e-3, 0.1, 10.0):
         for scale in (1.0, 2.2):
-            parameters = {"lambda": lam, "scale": scale}
+            parameters = {"lambda": lam, "scale": scale, "anchor_method": "linear"}
             reference = bmm(exact, compute_dtype="float64", **parameters).double()
             cached = bmm(tensors, cache=str(tmp_path), cache_dtype=cache_dtype, **parameters).double()
             assert relative_error(cached, reference) <= 1e-5, parameters
+
+
+@pytest.mark.parametrize("anchor", ["task_arithmetic", "marked input"])
+def test_an_anchor_the_merge_recomputes_is_not_stored(tmp_path, factorisations, anchor):
+    """Task Arithmetic and a marked input are ``U0`` from tensors every merge loads anyway: the entry
+    stores no anchor and says so, a cached merge recomputes it exactly (within 1e-5 of the float64
+    direct route, filled = read bit for bit, no second factorisation), and a reader that cannot
+    recompute it finds no entry."""
+    from safetensors import safe_open
+
+    from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
+
+    tensors = inputs(seed=14)
+    extra: dict = {}
+    if anchor == "marked input":
+        tensors = [*tensors, tensors[0] + 0.3 * (tensors[1] - tensors[0]) + 0.1 * (tensors[2] - tensors[0])]
+        extra = {"weight": [0.3] * 4, "anchor": [False, False, False, True]}
+    exact = [t.double() for t in tensors]
+    filled = bmm(tensors, cache=str(tmp_path), **{"lambda": 0.1}, **extra)
+    assert stored_names(tmp_path) & {"anchor", "anchor_in_basis"} == set()
+    (entry,) = tmp_path.glob("*.safetensors")
+    with safe_open(str(entry), framework="pt") as handle:
+        assert handle.metadata()["anchor"] == "inputs"
+    assert torch.equal(filled, bmm(tensors, cache=str(tmp_path), **{"lambda": 0.1}, **extra))
+    for lam in (1e-3, 0.1, 10.0):
+        for scale in (1.0, 2.2):
+            parameters = {"lambda": lam, "scale": scale, **extra}
+            reference = bmm(exact, compute_dtype="float64", **parameters).double()
+            cached = bmm(tensors, cache=str(tmp_path), **parameters).double()
+            assert delta_error(cached, reference, exact[0]) <= 1e-5, parameters
+    assert len(factorisations) == 1
+    with safe_open(str(entry), framework="pt") as handle:
+        key = handle.metadata()["key"]  # the entry's own key
+    cache = FactorCache(tmp_path)
+    assert cache.load_factors(NAME, key, tuple(tensors[0].shape), torch.float32) is None
+    base = tensors[0]
+    if anchor == "marked input":
+        anchor_now = tensors[-1] - base
+    else:
+        anchor_now = sum(0.3 * (expert - base) for expert in tensors[1:])
+    read = cache.load_factors(NAME, key, tuple(tensors[0].shape), torch.float32, lambda: anchor_now)
+    assert read is not None and read.anchor_recomputed and torch.equal(read.anchor, anchor_now)
 
 
 def test_a_base_anchor_is_not_stored(tmp_path):

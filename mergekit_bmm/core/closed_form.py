@@ -98,6 +98,9 @@ class EigenFactors:
     # rows the update is a combination of (the LoRA data route's stacked ``B_t``; ``k = Σ r_t``), and
     # a trial costs ``k × in × r`` plus ``out × k × in`` instead of ``out × in × r``.
     rows: torch.Tensor | None = None
+    # ``anchor`` is ``U0`` as the merge recomputed it from its inputs, not read from a cache entry
+    # (a marked input, Task Arithmetic): an entry that says so stores no anchor at all
+    anchor_recomputed: bool = False
 
     @property
     def d_in(self) -> int:

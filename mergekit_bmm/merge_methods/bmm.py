@@ -261,13 +261,27 @@ class _Solve:
         check_finite(self.group)
         dtype = self.settings.compute_dtype
         base_c = self.base.to(dtype)
-        prior = self.orient(self.source.weight(dtype) - base_c)
+        prior = self._prior()
         data_route = self.low_rank_data()  # LoRA experts, data-assisted: C from the factors
         if data_route is not None and data_route[1] is not None:
             merge_findings.note_low_rank(self.name, sum(update.rank for update in data_route[0]))
             return data_route[1].dense(), prior, base_c
         task_vectors = [self.orient(entry.tensor.to(dtype) - base_c) for entry in self.tasks]
         return self.equations_for(self.settings, self.group, self.tasks, task_vectors), prior, base_c
+
+    def _prior(self) -> torch.Tensor:
+        """``U0 = W_anchor − W_pre`` in the compute dtype, oriented like the solve."""
+        dtype = self.settings.compute_dtype
+        return self.orient(self.source.weight(dtype) - self.base.to(dtype))
+
+    def _recomputed_prior(self) -> Callable[[], torch.Tensor] | None:
+        """How a cached merge gets ``U0`` without storing it, when that is cheap: a marked input or a
+        sum of task vectors (Task Arithmetic), whose tensors mergekit loads for this merge anyway.
+        None for the base (not stored either way) and for anchors that take a solve (TIES, TSV, …)."""
+        source = self.source
+        if source.anchor_entry is None and not (source.computed and source.span_coefficients() is not None):
+            return None
+        return self._prior
 
     def low_rank_updates(self) -> list[LowRankUpdate] | None:
         """The experts' LoRA factors for this weight, or None for the full route (:mod:`.lora_route`)."""
@@ -294,7 +308,7 @@ class _Solve:
         dtype = self.settings.compute_dtype
         base_c = self.base.to(dtype)
         span = span_anchor(self.source, tuple(self.orient(self.base).shape))
-        prior = lambda: self.orient(self.source.weight(dtype) - base_c)  # noqa: E731
+        prior = self._prior
         merge_findings.note_low_rank(self.name, sum(update.rank for update in updates))
         shared = shared_input_key(self.settings, self.name, self.tasks)  # q/k/v: one factorisation
         merged, ridge = solve_factored(equations, updates, span, prior, self.settings, shared)
@@ -385,8 +399,9 @@ class _Solve:
             return self.untouched()
         if updates is not None:
             key = cache_key.with_route(key, "low_rank/3")  # 3: a Task Arithmetic anchor from the factors
+        recomputed = self._recomputed_prior() if updates is None else None
         factors = cached_row_factors(cache, key, self) if updates is None else None  # k rows, data route
-        factors = factors or cache.load_factors(self.name, key, shape, dtype)
+        factors = factors or cache.load_factors(self.name, key, shape, dtype, recomputed)
         if factors is not None and settings.lambda_auto and factors.evidence is None:
             factors = None  # an entry from before the evidence was stored: filled again
         if factors is None and updates is not None:
@@ -400,7 +415,7 @@ class _Solve:
             equations, prior, base_c = self._problem()
             rank = thin_rank(settings, len(self.tasks), *prior.shape)
             factors = fill_factors(
-                cache, self.name, key, equations, prior, self.orient(base_c), settings, rank
+                cache, self.name, key, equations, prior, self.orient(base_c), settings, rank, bool(recomputed)
             )
             del equations, prior
         # A cache hit does not re-check the inputs for NaN/Inf: they were checked when the
@@ -408,8 +423,9 @@ class _Solve:
         factors = factors.to(self.base.device)
         if solved_tensors.wants_factors():  # the search's resident trials are listening
             reload = partial(cached_row_factors, cache, key, self, False)  # the LoRA data route's k rows
-            if factors.rows is None:
-                reload = partial(cache.load_factors, self.name, key, shape, dtype)
+            if factors.rows is None:  # an anchor the merge recomputed is held, not recomputed
+                held = factors.anchor if factors.anchor_recomputed else None
+                reload = partial(cache.load_factors, self.name, key, shape, dtype, _holding(held))
             found = (self.name, factors, self.base, self.transpose, settings.lambda_mode, reload, self.piece)
             solved_tensors.report_factors(FactoredTensor(*found))
         ridge = self._chosen_ridge(factors)
@@ -447,3 +463,8 @@ class _Solve:
                 )  # fmt: skip
             )
         return (base_c + self.settings.scale * self.orient(merged)).to(self.base.dtype)
+
+
+def _holding(anchor: torch.Tensor | None) -> Callable[[], torch.Tensor] | None:
+    """``U0`` for re-reading an entry that does not store it, from the tensor already in memory."""
+    return None if anchor is None else (lambda: anchor)

@@ -288,5 +288,9 @@ class PieceAnchor:
         where = {"expert": piece.index, "part": piece.part}
         return {**self.stack.dependencies(), **{k: v for k, v in where.items() if v is not None}}
 
+    def span_coefficients(self) -> tuple[float, ...] | None:
+        """The whole tensor's: a piece of a sum of task vectors is that sum of the pieces."""
+        return self.stack.span_coefficients()
+
     def weight(self, dtype: torch.dtype) -> torch.Tensor:
         return self.piece.take(self.whole()).to(dtype)

@@ -13,7 +13,8 @@ Nothing is written to disk and nothing is read back.
 
 Memory: the model, ``W_pre`` of the solved tensors, and the factors. Factors are kept
 resident while they fit the budget (``--max-memory``, else half the memory free after
-the model is loaded); the others are read back from the cache each trial. Peak memory does
+the model is loaded); the others are read back from the cache each trial (an anchor the cache
+does not store, recomputed by the first merge from its inputs, stays in memory). Peak memory does
 not grow with the number of trials: each tensor's temporaries are freed before the next.
 """
 
@@ -65,6 +66,7 @@ class SolvedParameter:
     base: torch.Tensor  # W_pre as the kernel saw it (the recipe's dtype), on the model's device
     factors: EigenFactors | None  # None: read back from the cache each trial
     factor_bytes: int
+    held_bytes: int  # kept in memory even when the factors are read back each trial
     reload: Callable[[], EigenFactors | None]
     transposed: bool
     lambda_mode: str
@@ -120,6 +122,12 @@ def tensor_bytes(tensor: torch.Tensor | None) -> int:
 
 def factor_bytes(factors: EigenFactors) -> int:
     return sum(tensor_bytes(value) for value in vars(factors).values() if isinstance(value, torch.Tensor))
+
+
+def held_bytes(factors: EigenFactors) -> int:
+    """What a tensor read back each trial still keeps: an anchor its cache entry does not store
+    (recomputed by the merge from its inputs, which trials do not load) stays in memory."""
+    return tensor_bytes(factors.anchor) if factors.anchor_recomputed else 0
 
 
 class ParameterLookup:
@@ -181,7 +189,7 @@ class ResidentModel:
             nonlocal kept
             size = factor_bytes(report.factors)
             keep = kept + size <= budget
-            kept += size if keep else 0
+            kept += size if keep else held_bytes(report.factors)
             reported[report.name] = (report, report.factors.to(self.device) if keep else None, size)
 
         def on_tensor(name: str, value: torch.Tensor, out_dtype: str | None) -> None:
@@ -216,6 +224,7 @@ class ResidentModel:
                     base=report.base.to(self.device),
                     factors=factors,
                     factor_bytes=size,
+                    held_bytes=held_bytes(report.factors),
                     reload=report.reload,
                     transposed=report.transposed,
                     lambda_mode=report.lambda_mode,
@@ -249,7 +258,9 @@ class ResidentModel:
             model_dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
             base_bytes=sum(tensor_bytes(p.base) for p in solved),
             factor_bytes=sum(p.factor_bytes for p in solved),
-            resident_factor_bytes=sum(p.factor_bytes for p in solved if p.factors is not None),
+            resident_factor_bytes=sum(
+                p.factor_bytes if p.factors is not None else p.held_bytes for p in solved
+            ),
             solved=len(solved),
             streamed=sum(p.factors is None for p in solved),
             budget_bytes=budget,

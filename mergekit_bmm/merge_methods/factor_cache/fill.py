@@ -105,14 +105,17 @@ def fill_factors(
     base: torch.Tensor,
     settings: BMMSettings,
     rank: int | None,
+    recomputed: bool = False,
 ) -> EigenFactors:
-    """Store ``name``'s factors under ``key`` and return them as a later read would."""
+    """Store ``name``'s factors under ``key`` and return them as a later read would; ``recomputed``:
+    every merge recomputes ``prior`` from its inputs, so the entry need not store it."""
     compute = settings.compute_dtype
     eigen = _eigen(cache_key.gram_key(equations.gram, rank), equations, rank)
     # Eigenvalues as a read gives them (compute dtype): the budget is then the same on a refill.
     eigenvalues = eigen.eigenvalues.to(compute).to(EXACT)
     exact = closed_form.factors_in_basis(equations, prior, eigenvalues, eigen.vectors)
-    return _store(cache, name, key, eigen, exact, base, settings)
+    anchor = prior.to(compute) if recomputed else None  # as a later merge recomputes it
+    return _store(cache, name, key, eigen, exact, base, settings, anchor)
 
 
 def fill_exact_factors(
@@ -164,24 +167,30 @@ def fill_row_factors(
 
 @dataclass(frozen=True)
 class _AnchorLayout:
-    """How an entry holds ``U0``: dense, as its coordinates ``U0·Q`` in a thin basis, or not at all (0)."""
+    """How an entry holds ``U0``: dense, as its coordinates ``U0·Q`` in a thin basis, or not at all
+    (``U0 = 0``, or ``recomputed``: every merge recomputes it from the inputs it loads anyway)."""
 
     dense: torch.Tensor | None = None
     coordinates: torch.Tensor | None = None
     outside: float = 0.0  # ‖U0 − U0·Q·Qᵀ‖: what the coordinates leave out
+    recomputed: torch.Tensor | None = None  # U0 as the merge computed it (compute dtype)
 
     def entries(self) -> int:
         held = self.dense if self.dense is not None else self.coordinates
         return 0 if held is None else held.numel()
 
 
-def _anchor_layouts(exact: EigenFactors, vectors: torch.Tensor) -> list[_AnchorLayout]:
+def _anchor_layouts(
+    exact: EigenFactors, vectors: torch.Tensor, recomputed: torch.Tensor | None = None
+) -> list[_AnchorLayout]:
     """The ways this entry could hold its anchor, smallest first.
 
-    A base anchor (``U0 = 0``) is not stored. With a thin basis an anchor in its span (a data-free
-    Task Arithmetic anchor: the task vectors' rows span it) is ``out × r`` as coordinates instead of
-    ``out × in``; what it leaves out, ``‖U0‖² − ‖U0·Q‖²`` (``Q`` orthonormal; its float64 cancellation
-    is about 1e-8·‖U0‖), is charged to the error budget.
+    A base anchor (``U0 = 0``) is not stored, nor is one that every merge ``recomputed`` from its
+    inputs (a marked input, Task Arithmetic: mergekit loads those tensors for the merge anyway). With
+    a thin basis an anchor in its span (a data-free Task Arithmetic anchor: the task vectors' rows
+    span it) is ``out × r`` as coordinates instead of ``out × in``; what it leaves out,
+    ``‖U0‖² − ‖U0·Q‖²`` (``Q`` orthonormal; its float64 cancellation is about 1e-8·‖U0‖), is charged
+    to the error budget.
     """
     if exact.anchor is None and exact.anchor_in_basis is None:
         return [_AnchorLayout()]
@@ -190,6 +199,8 @@ def _anchor_layouts(exact: EigenFactors, vectors: torch.Tensor) -> list[_AnchorL
         return [_AnchorLayout(coordinates=coordinates), _AnchorLayout(dense=exact.with_dense_anchor().anchor)]
     if not bool(exact.anchor.any()):
         return [_AnchorLayout()]
+    if recomputed is not None:  # exact, and no bytes: nothing smaller exists
+        return [_AnchorLayout(recomputed=recomputed)]
     layouts = [_AnchorLayout(dense=exact.anchor)]
     if vectors.shape[1] < vectors.shape[0]:
         coordinates = exact.anchor.to(EXACT) @ vectors.to(EXACT)
@@ -216,7 +227,7 @@ def _precisions(
         return chosen, factor_precision.stored_bytes(chosen, sizes)
     budget = replace(budget, allowance=math.sqrt(budget.allowance**2 - layout.outside**2))
     columns = eigen.column_rounding(factor_precision.FIXED_POINT)
-    if layout.coordinates is None:
+    if layout.coordinates is None:  # a recomputed anchor is exact: no share, as for U0 = 0
         errors = factor_precision.shares(exact.correction, layout.dense, budget, columns)
     else:
         errors = factor_precision.shares_in_basis(exact.correction, layout.coordinates, budget, columns)
@@ -235,12 +246,13 @@ def _store(
     exact: EigenFactors,
     base: torch.Tensor,
     settings: BMMSettings,
+    recomputed: torch.Tensor | None = None,
 ) -> EigenFactors:
     """Each factor at the precision the budget allows, in the anchor layout that takes the fewest
     bytes, written; returned exactly as read back."""
     fitted = [
         (layout, *fit)
-        for layout in _anchor_layouts(exact, eigen.vectors)
+        for layout in _anchor_layouts(exact, eigen.vectors, recomputed)
         if (fit := _precisions(layout, exact, eigen, base, settings)) is not None
     ]  # a dense (or zero) anchor always fits; on a tie the smaller layout, listed first, wins
     layout, chosen, _ = min(fitted, key=lambda item: item[2])
@@ -259,4 +271,5 @@ def _store(
         settings.compute_dtype,
         exact.evidence,
         anchor_in_basis=layout.coordinates,
+        anchor_from_inputs=layout.recomputed,
     )

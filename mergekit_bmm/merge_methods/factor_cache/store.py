@@ -9,7 +9,8 @@ and does one ``(out × in × r)`` product.
 File layout:
 
 * ``<cache>/<tensor name>.<digest>.safetensors``: the tensor's correction and anchor (dense
-  ``U0``, its coordinates ``U0·Q`` in a thin basis, or nothing for ``U0 = 0``), where
+  ``U0``, its coordinates ``U0·Q`` in a thin basis, or nothing: ``U0 = 0``, or an anchor every
+  merge recomputes from the inputs it loads anyway, metadata ``anchor: inputs``), where
   ``digest`` hashes a *key*, a canonical JSON text describing everything the factors depend
   on (built by :mod:`mergekit_bmm.merge_methods.factor_cache.key`);
 * ``<cache>/bases/<id>.<precision>.safetensors``: ``Q`` and ``Λ`` of one eigendecomposition;
@@ -41,7 +42,8 @@ import json
 import logging
 import re
 import zlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -56,7 +58,12 @@ from mergekit_bmm.merge_methods.factor_cache.precision import encode
 
 LOG = logging.getLogger("mergekit_bmm")
 
-CACHE_FORMAT = "mergekit-bmm-factors/2"
+CACHE_FORMAT = "mergekit-bmm-factors/3"
+# /3 adds entries whose anchor is recomputed from the merge's inputs (``anchor: inputs``); a /2 file
+# reads as before, and a /3 file is rejected (and rewritten) by versions that know only /2, which
+# would take its missing anchor for U0 = 0
+READ_FORMATS = ("mergekit-bmm-factors/2", CACHE_FORMAT)
+ANCHOR_FROM_INPUTS = "inputs"
 BASIS_DIR = "bases"
 SCALARS = ("mean_eigenvalue", "diagonal_max")
 EVIDENCE_SCALARS = ("energy", "observations")  # with the tensor COLUMN_ENERGY: what λ auto needs
@@ -170,6 +177,14 @@ def _factors(
     )
 
 
+def with_recomputed_anchor(factors: EigenFactors, anchor: torch.Tensor, compute: torch.dtype) -> EigenFactors:
+    """``factors`` with ``U0`` as the merge recomputed it (``out × in``, in ``compute``)."""
+    expected = (factors.correction.shape[0], factors.d_in)
+    if tuple(anchor.shape) != expected:
+        raise ValueError(f"the recomputed anchor has shape {tuple(anchor.shape)}, expected {expected}")
+    return replace(factors, anchor=anchor.to(compute), anchor_recomputed=True)
+
+
 class FactorCache:
     """One cache directory; every method is safe to call from several processes at once."""
 
@@ -216,9 +231,15 @@ class FactorCache:
 
     # -- factors of solved tensors ---------------------------------------------------
     def load_factors(
-        self, tensor_name: str, key: str, shape: tuple[int, int], compute: torch.dtype
+        self,
+        tensor_name: str,
+        key: str,
+        shape: tuple[int, int],
+        compute: torch.dtype,
+        anchor: Callable[[], torch.Tensor] | None = None,
     ) -> EigenFactors | None:
-        """The stored factors for ``key`` (None when absent, stale or corrupt)."""
+        """The stored factors for ``key`` (None when absent, stale or corrupt); ``anchor`` gives ``U0``
+        (``out × in``) for an entry that does not store it (None then: the entry cannot be used)."""
         out_features, in_features = shape
         path = entry_path(self.directory, tensor_name, key)
         read = self._read(path, key, {ANCHOR: (out_features, in_features)}, required=("correction",))
@@ -244,7 +265,14 @@ class FactorCache:
         column_energy = tensors.get(COLUMN_ENERGY)
         if column_energy is not None and tuple(column_energy.shape) != (basis.basis.shape[1],):
             return self._reject(path, "its evidence terms do not match its basis")
-        return _factors(basis, tensors, scalars, compute)
+        factors = _factors(basis, tensors, scalars, compute)
+        if metadata.get(ANCHOR) != ANCHOR_FROM_INPUTS:
+            return factors
+        if ANCHOR in tensors or in_basis is not None:
+            return self._reject(path, "it stores an anchor it says the inputs give")
+        if anchor is None:  # a caller that cannot recompute the anchor: filled again, in its layout
+            return None
+        return with_recomputed_anchor(factors, anchor(), compute)
 
     def store_factors(
         self,
@@ -259,10 +287,12 @@ class FactorCache:
         evidence: EvidenceTerms | None = None,
         rows: torch.Tensor | None = None,
         anchor_in_basis: torch.Tensor | None = None,
+        anchor_from_inputs: torch.Tensor | None = None,
     ) -> EigenFactors:
         """Write the correction and the anchor (dense, or as ``anchor_in_basis`` coordinates, or
         neither for ``U0 = 0``) rounded to their ``precisions`` (and the evidence's terms, exact:
-        O(r) numbers; ``rows`` in float32); return exactly what a later read gives (in ``compute``)."""
+        O(r) numbers; ``rows`` in float32); return exactly what a later read gives (in ``compute``).
+        ``anchor_from_inputs``: ``U0`` as every merge recomputes it, not stored (the entry says so)."""
         tensors = _stored("correction", correction, precisions["correction"])
         if anchor is not None:
             tensors.update(_stored(ANCHOR, anchor, precisions["anchor"]))
@@ -277,8 +307,13 @@ class FactorCache:
         metadata = {name: repr(float(value)) for name, value in scalars.items()}
         metadata.update(basis=basis.basis_id, basis_precision=str(basis.precision))
         metadata["precision"] = json.dumps({name: str(dtype) for name, dtype in precisions.items()})
+        if anchor_from_inputs is not None:
+            metadata[ANCHOR] = ANCHOR_FROM_INPUTS
         self._write(entry_path(self.directory, tensor_name, key), key, tensors, metadata)
-        return _factors(basis, tensors, scalars, compute)
+        factors = _factors(basis, tensors, scalars, compute)
+        if anchor_from_inputs is None:
+            return factors
+        return with_recomputed_anchor(factors, anchor_from_inputs, compute)
 
     # -- anchor results of tensors BMM does not solve --------------------------------
     def load_tensor(self, tensor_name: str, key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -308,7 +343,7 @@ class FactorCache:
         try:
             with safe_open(str(path), framework="pt") as handle:
                 metadata = handle.metadata() or {}
-                if metadata.get("format") != CACHE_FORMAT:
+                if metadata.get("format") not in READ_FORMATS:
                     raise CorruptEntry(f"format {metadata.get('format')!r}, expected {CACHE_FORMAT!r}")
                 if metadata.get("key") != key:
                     raise CorruptEntry("its key differs from this merge's")
