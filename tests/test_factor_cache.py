@@ -525,6 +525,7 @@ def test_unsolved_tensors_cache_computed_anchors_only(tmp_path):
     assert torch.equal(first, again)
     assert torch.equal(first, bmm(tensors, name=embed, anchor_method="ties", density=0.5))
     bmm(tensors, name=embed, cache=str(tmp_path), anchor_method="pretrained")
+    bmm(tensors, name=embed, cache=str(tmp_path))  # Task Arithmetic: recomputed, not stored
     norm = [t[0] for t in tensors]
     bmm(norm, name="model.layers.0.input_layernorm.weight", cache=str(tmp_path))
     assert len(entries(tmp_path)) == 1

@@ -43,6 +43,7 @@ from mergekit_bmm.errors import TensorInputError
 from mergekit_bmm.io.model_folder import model_config_of, model_type_of
 from mergekit_bmm.merge_methods import chosen_lambdas, kept_at_anchor, merge_findings
 from mergekit_bmm.merge_methods import observer as solved_tensors
+from mergekit_bmm.merge_methods.anchor_result import anchor_result
 from mergekit_bmm.merge_methods.bmm_anchor import (
     AnchorSource,
     PieceAnchor,
@@ -57,7 +58,7 @@ from mergekit_bmm.merge_methods.factor_cache.fill import fill_exact_factors, fil
 from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
 from mergekit_bmm.merge_methods.finite import check_finite, checked_base, checked_output
 from mergekit_bmm.merge_methods.lora_data_route import cached_row_factors, factored_equations, solve_factored
-from mergekit_bmm.merge_methods.lora_route import keeps_base, lora_updates, span_anchor
+from mergekit_bmm.merge_methods.lora_route import lora_updates, span_anchor
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
 from mergekit_bmm.merge_methods.pieces import (
     Piece,
@@ -143,10 +144,10 @@ class BMMMerge(GroupMergeMethod):
         if info is None or not tasks:
             kind = "no_experts" if info is not None else kept_at_anchor.kind_of(name, base.ndim)
             kept_at_anchor.note(name, kind)
-            return self.unsolved(settings, source, cache).to(base.dtype)
+            return anchor_result(settings, source, cache).to(base.dtype)
         if not info.experts and no_routed_token(settings, name, tasks):
             kept_at_anchor.note(name, "no_routed_tokens")  # a checkpoint's per-expert weight
-            return self.unsolved(settings, source, cache).to(base.dtype)
+            return anchor_result(settings, source, cache).to(base.dtype)
         transpose = stored_in_out(settings.weight_layout, info, name, group.base.id)
         # each expert of a stack, and each logical weight of a fused one (its own data-free Gram, as
         # if stored split), solved as a weight of its own
@@ -174,7 +175,7 @@ class BMMMerge(GroupMergeMethod):
         weight; the anchor is computed once for the whole tensor (only if a piece needs it) and cut.
         Data-assisted modes read an expert's Grams of its routed tokens; an expert no task's token
         reached keeps the anchor."""
-        whole = StackAnchor(lambda: self.unsolved(settings, source, cache))
+        whole = StackAnchor(lambda: anchor_result(settings, source, cache))
         task_ids = {task.id for task in source.tasks}
         solved = []
         for piece in pieces:
@@ -202,33 +203,6 @@ class BMMMerge(GroupMergeMethod):
         matrix = base[0] if experts else base
         rows = matrix.shape[1] if transpose else matrix.shape[0]
         return fused_parts(name, model_config_of(model), rows)
-
-    def unsolved(
-        self, settings: BMMSettings, source: AnchorSource, cache: FactorCache | None
-    ) -> torch.Tensor:
-        """The anchor's result, read from the cache when an anchor method is worth caching.
-
-        Copies (``pretrained``, a marked input) and 1-D tensors are cheaper to recompute
-        than to read back; anything else computed by another method is cached.
-        """
-        group = source.group
-        if keeps_base(source):  # LoRA experts leave it alone: no pass over their dense copies
-            return checked_base(group)
-
-        def compute() -> torch.Tensor:
-            check_finite(group)
-            return source.weight(settings.compute_dtype)
-
-        if cache is None or not source.computed or group.base.tensor.ndim < 2:
-            return compute()
-        name = group.metadata.name or ""
-        key = cache_key.anchor_key(settings, source)
-        stored = cache.load_tensor(name, key, tuple(group.base.tensor.shape))
-        if stored is not None:
-            return stored.to(group.base.tensor.device)
-        result = compute().to(group.base.tensor.dtype)  # what the merge writes: stored as such
-        cache.store_tensor(name, key, result)
-        return result
 
 
 @dataclass(frozen=True)
@@ -273,15 +247,6 @@ class _Solve:
         """``U0 = W_anchor − W_pre`` in the compute dtype, oriented like the solve."""
         dtype = self.settings.compute_dtype
         return self.orient(self.source.weight(dtype) - self.base.to(dtype))
-
-    def _recomputed_prior(self) -> Callable[[], torch.Tensor] | None:
-        """How a cached merge gets ``U0`` without storing it, when that is cheap: a marked input or a
-        sum of task vectors (Task Arithmetic), whose tensors mergekit loads for this merge anyway.
-        None for the base (not stored either way) and for anchors that take a solve (TIES, TSV, …)."""
-        source = self.source
-        if source.anchor_entry is None and not (source.computed and source.span_coefficients() is not None):
-            return None
-        return self._prior
 
     def low_rank_updates(self) -> list[LowRankUpdate] | None:
         """The experts' LoRA factors for this weight, or None for the full route (:mod:`.lora_route`)."""
@@ -399,7 +364,8 @@ class _Solve:
             return self.untouched()
         if updates is not None:
             key = cache_key.with_route(key, "low_rank/3")  # 3: a Task Arithmetic anchor from the factors
-        recomputed = self._recomputed_prior() if updates is None else None
+        # an anchor the merge recomputes cheaply is not stored (the base, a marked input, Task Arithmetic)
+        recomputed = self._prior if updates is None and self.source.recomputed_cheaply else None
         factors = cached_row_factors(cache, key, self) if updates is None else None  # k rows, data route
         factors = factors or cache.load_factors(self.name, key, shape, dtype, recomputed)
         if factors is not None and settings.lambda_auto and factors.evidence is None:
@@ -424,8 +390,8 @@ class _Solve:
         if solved_tensors.wants_factors():  # the search's resident trials are listening
             reload = partial(cached_row_factors, cache, key, self, False)  # the LoRA data route's k rows
             if factors.rows is None:  # an anchor the merge recomputed is held, not recomputed
-                held = factors.anchor if factors.anchor_recomputed else None
-                reload = partial(cache.load_factors, self.name, key, shape, dtype, _holding(held))
+                held = (lambda anchor=factors.anchor: anchor) if factors.anchor_recomputed else None
+                reload = partial(cache.load_factors, self.name, key, shape, dtype, held)
             found = (self.name, factors, self.base, self.transpose, settings.lambda_mode, reload, self.piece)
             solved_tensors.report_factors(FactoredTensor(*found))
         ridge = self._chosen_ridge(factors)
@@ -463,8 +429,3 @@ class _Solve:
                 )  # fmt: skip
             )
         return (base_c + self.settings.scale * self.orient(merged)).to(self.base.dtype)
-
-
-def _holding(anchor: torch.Tensor | None) -> Callable[[], torch.Tensor] | None:
-    """``U0`` for re-reading an entry that does not store it, from the tensor already in memory."""
-    return None if anchor is None else (lambda: anchor)

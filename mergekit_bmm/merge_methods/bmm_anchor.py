@@ -130,6 +130,12 @@ class AnchorSource:
         """Whether another method computes the anchor (rather than copying an input or the base)."""
         return bool(self.tasks) and self.anchor_entry is None and self.method_name != PRETRAINED_ANCHOR
 
+    @property
+    def recomputed_cheaply(self) -> bool:
+        """Whether a merge gets ``W_anchor`` for at most a weighted sum of tensors it loads anyway (the
+        base, a marked input, Task Arithmetic): the factor cache then stores no such anchor."""
+        return not self.computed or self.span_coefficients() is not None
+
     def dependencies(self) -> dict[str, Any]:
         """Everything :meth:`weight` depends on besides the input tensors (for cache keys)."""
         if self.anchor_entry is not None:
@@ -291,6 +297,10 @@ class PieceAnchor:
     def span_coefficients(self) -> tuple[float, ...] | None:
         """The whole tensor's: a piece of a sum of task vectors is that sum of the pieces."""
         return self.stack.span_coefficients()
+
+    @property
+    def recomputed_cheaply(self) -> bool:
+        return self.stack.recomputed_cheaply
 
     def weight(self, dtype: torch.dtype) -> torch.Tensor:
         return self.piece.take(self.whole()).to(dtype)
