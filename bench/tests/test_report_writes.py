@@ -32,6 +32,19 @@ def test_a_picture_is_drawn_again_only_when_what_it_shows_changed(tmp_path, monk
     assert path.read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_picture_that_reads_some_keys_is_kept_when_a_stage_adds_others(tmp_path, monkeypatch):
+    drawn: list[Path] = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path, dpi: drawn.append(path) or save(fig, path, dpi))
+    row = {"anchor": "task_arithmetic", "setting": "anchor", "per_task": {"a": 0.5}, "avg": 0.5}
+    results = {"name": "r", "encoder": "e", "tasks": ["a"], "indiv": {"a": 0.9}, "rows": [row]}
+    path = tmp_path / "per_anchor.png"
+    assert plots.plot_anchors(results, path) == path and len(drawn) == 1
+    assert plots.plot_anchors({**results, "sweeps": {"settings": {}}}, path) and len(drawn) == 1
+    moved = {**row, "per_task": {"a": 0.6}}
+    assert plots.plot_anchors({**results, "rows": [moved]}, path) and len(drawn) == 2
+
+
 def test_skipped_stages_are_switched_off_and_named_in_the_report():
     config = load_config(CONFIGS / "zeroshot8.yml")  # every optional stage on
     skipped = skip_stages(config, ("sweeps", "variants"))

@@ -158,9 +158,21 @@ def _label_free_config(models: DemoModels, recipe: Path, budget: int, root: Path
     return {**search, "evaluator": {"type": "agreement", "tasks": tasks}}
 
 
-def _search(search_yml: Path, out: Path, result: DemoResult) -> dict:
-    """``mergekit-bmm-search search_yml out`` (its progress shown); its summary."""
-    _run([_bin("mergekit-bmm-search"), str(search_yml), str(out), "--device", "cpu"], result, show=True)
+def _search(search_yml: Path, out: Path, result: DemoResult, command: bool) -> dict:
+    """``mergekit-bmm-search search_yml out`` (its progress shown); its summary. Without ``command``
+    the same command line runs in this process (the reduced run, as for the merges)."""
+    args = [str(search_yml), str(out), "--device", "cpu"]
+    if command:
+        _run([_bin("mergekit-bmm-search"), *args], result, show=True)
+    else:
+        from mergekit_bmm.cli.search import main
+
+        result.commands.append(shlex.join(["mergekit-bmm-search", *args]))
+        try:
+            main.main(args=args, prog_name="mergekit-bmm-search", standalone_mode=False)
+        except SystemExit as stop:  # its error was its one line
+            if stop.code:
+                raise BMMError(f"`mergekit-bmm-search {shlex.join(args)}` failed") from None
     return json.loads((out / "summary.json").read_text(encoding="utf-8"))
 
 
@@ -204,7 +216,7 @@ def run_demo(root: Path, size: DemoSize = FULL, say: Callable[[str], None] = pri
     )
     trials = f"{size.budget} trials of data-free bmm over Task Arithmetic"
     say(f"[5/{steps}] mergekit-bmm-search search.yml -> {root / 'search'}  ({trials})")
-    summary = _search(search_yml, root / "search", result)
+    summary = _search(search_yml, root / "search", result, size.commands)
     result.merged["bmm searched"] = root / "search" / (summary.get("best_model") or "best")
     if summary.get("convergence_plot"):
         result.convergence_plot = str(root / "search" / summary["convergence_plot"])
@@ -216,7 +228,7 @@ def run_demo(root: Path, size: DemoSize = FULL, say: Callable[[str], None] = pri
     label_free.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     no_labels = "the same search with no labels: agreement with each expert on its unlabelled texts"
     say(f"[6/{steps}] mergekit-bmm-search {label_free.name} -> {root / 'search-label-free'}  ({no_labels})")
-    summary = _search(label_free, root / "search-label-free", result)
+    summary = _search(label_free, root / "search-label-free", result, size.commands)
     result.merged["bmm no labels"] = root / "search-label-free" / (summary.get("best_model") or "best")
     result.seconds["search without labels"] = time.perf_counter() - mark
 

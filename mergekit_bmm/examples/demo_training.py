@@ -42,7 +42,7 @@ class DemoSize:
     test: int = 1000
     budget: int = 12  # search trials
     grid: int = 4  # values tried when tuning Task Arithmetic's weight and TIES's density
-    commands: bool = True  # the recipes merged by `mergekit-yaml` (False: in this process, same code)
+    commands: bool = True  # merges and searches by their commands (False: in this process, same code)
 
 
 FULL = DemoSize()

@@ -47,7 +47,7 @@ def trace_markdown(results: dict[str, Any]) -> str:
     )
 
 
-@drawn_once
+@drawn_once(reads=("rows",))
 def plot_trace(results: dict[str, Any], path: Path) -> Path | None:
     """Per traced search: test average against the agreement score (KL, base-scaled), one dot a trial."""
     from bench.merging.label_free_trace import objective_scores

@@ -22,26 +22,39 @@ _PENDING_STAMP: contextvars.ContextVar[str | None] = contextvars.ContextVar("pic
 Draw = TypeVar("Draw", bound=Callable[..., "Path | None"])
 
 
-def drawn_once(draw: Draw) -> Draw:
+def drawn_once(draw: Draw | None = None, *, reads: tuple[str, ...] | None = None):
     """Draw a picture only when what it shows has changed since it was drawn: a run writes its
     report at every stage boundary (and a resumed one again), and rendering every PNG each time
-    was most of a report's cost."""
+    was most of a report's cost. ``reads``: the only keys of the results the picture is drawn from
+    (a stage that adds anything else leaves it as it is); None: all of them but the clocks."""
 
-    @functools.wraps(draw)
-    def wrapper(data: Any, path: Path, *args: Any, **kwargs: Any) -> Path | None:
-        path = Path(path)
-        shown = {k: v for k, v in data.items() if k not in VOLATILE} if isinstance(data, dict) else data
-        text = json.dumps([draw.__qualname__, shown, args, kwargs], sort_keys=True, default=str)
-        digest = hashlib.sha256(text.encode()).hexdigest()
-        if _stamp(path) == digest:
-            return path
-        token = _PENDING_STAMP.set(digest)
-        try:
-            return draw(data, path, *args, **kwargs)
-        finally:
-            _PENDING_STAMP.reset(token)
+    def decorate(draw: Draw) -> Draw:
+        @functools.wraps(draw)
+        def wrapper(data: Any, path: Path, *args: Any, **kwargs: Any) -> Path | None:
+            path = Path(path)
+            shown = _shown(data, reads)
+            text = json.dumps([draw.__qualname__, shown, args, kwargs], sort_keys=True, default=str)
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            if _stamp(path) == digest:
+                return path
+            token = _PENDING_STAMP.set(digest)
+            try:
+                return draw(data, path, *args, **kwargs)
+            finally:
+                _PENDING_STAMP.reset(token)
 
-    return wrapper  # type: ignore[return-value]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate(draw) if draw is not None else decorate
+
+
+def _shown(data: Any, reads: tuple[str, ...] | None) -> Any:
+    """What of ``data`` a picture depends on (a results dict less its clocks, or the keys it reads)."""
+    if not isinstance(data, dict):
+        return data
+    if reads is not None:
+        return {key: data.get(key) for key in reads}
+    return {k: v for k, v in data.items() if k not in VOLATILE}
 
 
 def _stamp(path: Path) -> str | None:
@@ -57,7 +70,7 @@ def _stamp(path: Path) -> str | None:
         return None
 
 
-@drawn_once
+@drawn_once(reads=("experts", "heads"))
 def plot_expert_curves(results: dict[str, Any], path: Path) -> Path | None:
     """Each expert's held-out accuracy while it trains, the kept step marked: did it plateau?"""
     experts = results.get("experts", {})
@@ -83,7 +96,7 @@ def plot_expert_curves(results: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path, dpi=110)
 
 
-@drawn_once
+@drawn_once(reads=("tasks", "rows", "indiv", "encoder", "name"))
 def plot_anchors(results: dict[str, Any], path: Path) -> Path | None:
     """One panel per anchor: per-task test accuracy of the anchor and BMM over it."""
     import numpy as np
@@ -135,7 +148,7 @@ def plot_anchors(results: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path, dpi=110)
 
 
-@drawn_once
+@drawn_once(reads=("tasks", "rows", "indiv", "encoder", "name"))
 def plot(results: dict[str, Any], path: Path) -> Path | None:
     """Grouped bars: test accuracy per task for each row and the experts."""
     import numpy as np
@@ -165,7 +178,7 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path, dpi=120)
 
 
-@drawn_once
+@drawn_once(reads=("summary", "variants", "config", "name"))
 def plot_deltas(results: dict[str, Any], path: Path) -> Path | None:
     """Paired test Δ with 95 % intervals at a glance: BMM (searched, and at its defaults) against its
     anchor per mode, and each variant against the search it is paired with."""
@@ -239,7 +252,7 @@ def searched_lambdas(row: dict[str, Any]) -> dict[str, list[float]]:
     return found
 
 
-@drawn_once
+@drawn_once(reads=("rows", "name"))
 def plot_evidence_lambdas(results: dict[str, Any], path: Path) -> Path | None:
     """Per mode, each anchor's λ per module group: chosen by the evidence (every weight, dots; their
     median, a bar) against the search's best (crosses), on one log axis."""
