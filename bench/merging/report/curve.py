@@ -133,7 +133,10 @@ def plot_curve(points: list[dict[str, Any]], path: Path) -> Path | None:
     right.set_xlabel("tasks merged")
     right.set_ylabel("BMM over ISO-CTS − ISO-CTS (test points)")
     right.set_xticks(counts)
-    right.legend(fontsize=7)
+    if right.get_legend_handles_labels()[0]:
+        right.legend(fontsize=7)
+    else:  # no BMM over ISO-CTS in these runs yet
+        right.text(0.5, 0.5, "no BMM over ISO-CTS yet", ha="center", va="center", transform=right.transAxes)
     return _save(fig, path, 110)
 
 
