@@ -160,19 +160,18 @@ def _label_free_config(models: DemoModels, recipe: Path, budget: int, root: Path
 
 def _search(search_yml: Path, out: Path, result: DemoResult, command: bool) -> dict:
     """``mergekit-bmm-search search_yml out`` (its progress shown); its summary. Without ``command``
-    the same command line runs in this process (the reduced run, as for the merges)."""
+    the search and its report run in this process (the reduced run, as for the merges)."""
     args = [str(search_yml), str(out), "--device", "cpu"]
     if command:
         _run([_bin("mergekit-bmm-search"), *args], result, show=True)
-    else:
-        from mergekit_bmm.cli.search import main
+    else:  # what the command runs: the search, then its report
+        from mergekit_bmm.search import SearchOptions, load_search_config, run_search
 
         result.commands.append(shlex.join(["mergekit-bmm-search", *args]))
-        try:
-            main.main(args=args, prog_name="mergekit-bmm-search", standalone_mode=False)
-        except SystemExit as stop:  # its error was its one line
-            if stop.code:
-                raise BMMError(f"`mergekit-bmm-search {shlex.join(args)}` failed") from None
+        from tqdm.auto import tqdm
+
+        echo = lambda line: tqdm.write(line, file=sys.stderr)  # noqa: E731  (beside its progress bar)
+        print(run_search(load_search_config(search_yml), out, SearchOptions(device="cpu"), echo=echo).report)
     return json.loads((out / "summary.json").read_text(encoding="utf-8"))
 
 
