@@ -21,13 +21,20 @@ def test_a_picture_is_drawn_again_only_when_what_it_shows_changed(tmp_path, monk
         return save(fig, path, dpi)
 
     monkeypatch.setattr(plots, "_save", counting)
+    monkeypatch.setattr(plots, "KEPT_IN", tmp_path / "kept")
     path = tmp_path / "lora.png"
     assert plots.plot_lora_intervals(LORA, path) == path and len(drawn) == 1
     assert plots.plot_lora_intervals({**LORA}, path) == path and len(drawn) == 1  # the same: kept
     assert plots.plot_lora_intervals({**LORA, "timings": {"x": 1}}, path) and len(drawn) == 1  # clocks only
     changed = {**LORA, "rank": 8}
     assert plots.plot_lora_intervals(changed, path) == path and len(drawn) == 2
-    path.write_bytes(b"not a png")  # a damaged picture is drawn again, not trusted
+    path.write_bytes(b"not a png")  # a damaged picture is not trusted: the kept copy replaces it
+    assert plots.plot_lora_intervals(changed, path) == path and len(drawn) == 2
+    assert path.read_bytes().startswith(b"\x89PNG") and plots._stamp(path) is not None
+    assert plots.plot_lora_intervals(LORA, path) == path and len(drawn) == 2  # back to a state drawn before
+    for kept in (tmp_path / "kept").glob("*.png"):
+        kept.unlink()
+    path.write_bytes(b"not a png")  # and with no kept copy it is drawn again
     assert plots.plot_lora_intervals(changed, path) == path and len(drawn) == 3
     assert path.read_bytes().startswith(b"\x89PNG")
 
@@ -36,6 +43,7 @@ def test_a_picture_that_reads_some_keys_is_kept_when_a_stage_adds_others(tmp_pat
     drawn: list[Path] = []
     save = plots._save
     monkeypatch.setattr(plots, "_save", lambda fig, path, dpi: drawn.append(path) or save(fig, path, dpi))
+    monkeypatch.setattr(plots, "KEPT_IN", tmp_path / "kept")
     row = {"anchor": "task_arithmetic", "setting": "anchor", "per_task": {"a": 0.5}, "avg": 0.5}
     results = {"name": "r", "encoder": "e", "tasks": ["a"], "indiv": {"a": 0.9}, "rows": [row]}
     path = tmp_path / "per_anchor.png"

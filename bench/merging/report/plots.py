@@ -7,6 +7,9 @@ import contextvars
 import functools
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,6 +20,8 @@ from bench.merging.variants import variant_rows
 
 # What changes from one report to the next without changing any picture (clocks, the stage line).
 VOLATILE = ("timings", "stage_seconds", "stage_reached", "stage_partial", "stages_skipped", "machine")
+KEPT_IN = Path(tempfile.gettempdir()) / "mergekit-bmm-pictures"  # pictures kept for reuse across reports
+KEPT_PICTURES = 200  # the newest kept (a few MB)
 STAMP = "mergekit-bmm-inputs"  # the PNG text chunk holding the digest of what a picture was drawn from
 _PENDING_STAMP: contextvars.ContextVar[str | None] = contextvars.ContextVar("picture_stamp", default=None)
 Draw = TypeVar("Draw", bound=Callable[..., "Path | None"])
@@ -35,13 +40,16 @@ def drawn_once(draw: Draw | None = None, *, reads: tuple[str, ...] | None = None
             shown = _shown(data, reads)
             text = json.dumps([draw.__qualname__, shown, args, kwargs], sort_keys=True, default=str)
             digest = hashlib.sha256(text.encode()).hexdigest()
-            if _stamp(path) == digest:
+            if _stamp(path) == digest or _drawn_before(digest, path):
                 return path
             token = _PENDING_STAMP.set(digest)
             try:
-                return draw(data, path, *args, **kwargs)
+                drawn = draw(data, path, *args, **kwargs)
             finally:
                 _PENDING_STAMP.reset(token)
+            if drawn is not None:
+                _keep(digest, path)
+            return drawn
 
         return wrapper  # type: ignore[return-value]
 
@@ -55,6 +63,38 @@ def _shown(data: Any, reads: tuple[str, ...] | None) -> Any:
     if reads is not None:
         return {key: data.get(key) for key in reads}
     return {k: v for k, v in data.items() if k not in VOLATILE}
+
+
+def _kept(digest: str) -> Path:
+    """Where a picture drawn from ``digest`` is kept: a resumed run writes its report at every stage
+    boundary with the rows it has reloaded so far, so the same few states come back run after run."""
+    return KEPT_IN / f"{digest}.png"
+
+
+def _drawn_before(digest: str, path: Path) -> bool:
+    """Copy the picture of the same inputs drawn before, if one is kept (it carries its stamp)."""
+    kept = _kept(digest)
+    try:
+        shutil.copyfile(kept, path)
+    except OSError:
+        return False
+    return True
+
+
+def _keep(digest: str, path: Path) -> None:
+    """Keep a copy of a new picture (atomically: parallel runs share the folder), the newest
+    ``KEPT_PICTURES`` only."""
+    kept = _kept(digest)
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_name(f"{kept.stem}.{os.getpid()}.partial")
+        shutil.copyfile(path, partial)
+        os.replace(partial, kept)
+        pictures = sorted(kept.parent.glob("*.png"), key=lambda p: p.stat().st_mtime)
+        for old in pictures[:-KEPT_PICTURES]:
+            old.unlink(missing_ok=True)
+    except OSError:  # only a cache: the report has its picture
+        pass
 
 
 def _stamp(path: Path) -> str | None:
