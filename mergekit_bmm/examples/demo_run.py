@@ -165,11 +165,11 @@ def _search(search_yml: Path, out: Path, result: DemoResult, command: bool) -> d
     if command:
         _run([_bin("mergekit-bmm-search"), *args], result, show=True)
     else:  # what the command runs: the search, then its report
+        from tqdm.auto import tqdm
+
         from mergekit_bmm.search import SearchOptions, load_search_config, run_search
 
         result.commands.append(shlex.join(["mergekit-bmm-search", *args]))
-        from tqdm.auto import tqdm
-
         echo = lambda line: tqdm.write(line, file=sys.stderr)  # noqa: E731  (beside its progress bar)
         print(run_search(load_search_config(search_yml), out, SearchOptions(device="cpu"), echo=echo).report)
     return json.loads((out / "summary.json").read_text(encoding="utf-8"))
