@@ -66,6 +66,34 @@ def ensure_llama_family(
     return paths
 
 
+def ensure_encoder_family(
+    folder: Path, hidden: int = 384, layers: int = 6, experts: int = 6, tasks: int = 3
+) -> tuple[dict, dict]:
+    """A BERT family (MiniLM's shape by default) with ``tasks`` random two-class heads on one text set:
+    (``{"base", "experts"}``, a classification evaluator block). Made once per folder; a search on it
+    measures trial mechanics, not accuracy (the labels are arbitrary)."""
+    from mergekit_bmm.evaluation.classification import save_head
+    from mergekit_bmm.examples.tiny_models import _CORPUS, make_tiny_family
+
+    family_dir = folder / "family"
+    if not (family_dir / "base" / "config.json").is_file():
+        make_tiny_family(family_dir, "bert", n_experts=experts, hidden=hidden, layers=layers)
+    base = family_dir / "base"
+    found = sorted(p for p in family_dir.iterdir() if p.name.startswith("expert"))
+    data = folder / "texts.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": t, "label": i % 2}) + "\n" for i, t in enumerate(_CORPUS * 20))
+    )
+    blocks = []
+    for index in range(tasks):
+        generator = torch.Generator().manual_seed(index)
+        weight = torch.randn(2, hidden, generator=generator)
+        head = save_head(folder / f"head{index}.safetensors", weight, torch.zeros(2), ["a", "b"])
+        blocks.append({"name": f"task{index}", "head": str(head), "data": str(data)})
+    evaluator = {"type": "classification", "max_length": 32, "batch_size": 32, "tasks": blocks}
+    return {"base": base, "experts": found}, evaluator
+
+
 def write_corpus_texts(
     path: Path, count: int, words: int | Callable[[int], int], stride: int = 1, offset: int = 0
 ) -> Path:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,8 @@ def test_every_workload_runs_at_its_quick_size(name, tmp_path):
         errors = {key: float(value) for key, value in result["figures"].items()}
         assert errors["relative error vs float64, bmm, low-rank route"] < 1e-5
         assert any(row["label"].startswith("mergekit-bmm-lora") for row in result["rows"])
+    if name == "search_fidelity":  # both arms searched and tested; the staged one scored fewer examples
+        arms = json.loads(Path(result["figures"]["arms"]).read_text())["arms"]
+        assert arms["full"]["examples_scored_share"] == 1.0
+        assert arms["cheap 0.25"]["examples_scored_share"] < 1.0
+        assert Path(result["figures"]["picture"]).is_file()

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ensure_llama_family, gemm_floor, solved_shapes, status_mib
+from bench.common import ensure_encoder_family, ensure_llama_family, gemm_floor, solved_shapes, status_mib
 from bench.perf.harness import Group, Job, Workload, command
 
 REPO = Path(__file__).resolve().parents[3]
@@ -89,7 +89,7 @@ def encoder_case(root: Path, minilm_cache: Path | None) -> dict:
         block = yaml.safe_load((manifest.parent / "evaluator-validation.yml").read_text())["evaluator"]
         title = f"all-MiniLM-L6-v2, {len(family['experts'])} benchmark experts, heads on 6 validation sets"
     else:
-        family, block = _minilm_shaped(root)
+        family, block = ensure_encoder_family(root / "minilm-shaped")
         title = "MiniLM-shaped BERT (hidden 384, 6 layers, 6 experts, random heads)"
     recipe = _recipe(family, "float32")
     return {"title": title, "recipe": recipe, "evaluator": block, "blocks": 1, "base": family["base"]}
@@ -104,41 +104,6 @@ def _recipe(family: dict, dtype: str) -> dict:
         "parameters": {"anchor_method": "task_arithmetic", "gram": "data_free"},
         "dtype": dtype,
     }
-
-
-def _minilm_shaped(root: Path) -> tuple[dict, dict]:
-    import torch
-
-    from mergekit_bmm.evaluation.classification import save_head
-    from mergekit_bmm.examples.tiny_models import _CORPUS, make_tiny_family
-
-    folder = root / "minilm-shaped"
-    family = (
-        make_tiny_family(folder / "family", "bert", n_experts=6, hidden=384, layers=6)
-        if not (folder / "family" / "base" / "config.json").is_file()
-        else None
-    )
-    if family is None:
-        base = folder / "family" / "base"
-        experts = sorted(p for p in (folder / "family").iterdir() if p.name.startswith("expert"))
-    else:
-        base, experts = family.base, family.experts
-    data = folder / "texts.jsonl"
-    data.write_text(
-        "".join(json.dumps({"text": t, "label": i % 2}) + "\n" for i, t in enumerate(_CORPUS * 20))
-    )
-    tasks = []
-    for index in range(3):
-        generator = torch.Generator().manual_seed(index)
-        head = save_head(
-            folder / f"head{index}.safetensors",
-            torch.randn(2, 384, generator=generator),
-            torch.zeros(2),
-            ["a", "b"],
-        )
-        tasks.append({"name": f"task{index}", "head": str(head), "data": str(data)})
-    evaluator = {"type": "classification", "max_length": 32, "batch_size": 32, "tasks": tasks}
-    return {"base": base, "experts": experts}, evaluator
 
 
 def mean_log_likelihood(model, tokenizer, texts) -> float:
