@@ -302,8 +302,8 @@ def header(workload: Workload, size: str, parameters: dict[str, Any], rounds: in
         f"# {info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch threads, "
         f"OMP_WAIT_POLICY {info['omp_wait_policy']}, Python {info['python']}, {libraries}"
         + (f", GPU {info['gpu']}" if info["gpu"] else "")
-        + f"\n# {rounds} rounds after {warmup} warm-up; median [min, max]; "
-        "× baseline: the median of the rounds' own ratios"
+        + f"\n# {rounds} rounds after {warmup} warm-up (a group of one-off jobs sets its own); "
+        "median [min, max]; × baseline: the median of the rounds' own ratios"
     )
 
 

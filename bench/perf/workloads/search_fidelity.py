@@ -135,10 +135,13 @@ def arm_job(label: str, share: float | None, search: dict, paths_from: Path) -> 
 def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     import skopt  # noqa: F401  (imported once here, not in every forked search)
     import torch
+    from transformers.utils import logging as hf_logging
 
     from mergekit_bmm.plugin import activate
 
     activate()
+    hf_logging.set_verbosity_error()  # as mergekit-bmm-search does: the table, not loading bars
+    hf_logging.disable_progress_bar()
     search, _ = search_and_test(parameters, root)
     torch.set_num_threads(1)  # the searches run on ``threads`` in their forked processes (harness.Group)
     return [
