@@ -83,6 +83,27 @@ def test_each_lora_weight_is_the_float64_closed_form_of_the_exact_updates(
     assert record.low_rank == dict.fromkeys(solved, 2 + 3 + 4)  # the route taken: a rank-9 subspace
 
 
+def test_under_gram_sharing_input_each_weight_pools_its_siblings_adapters(lora_family, tmp_path):
+    """q and v (adapted) and k (not) read one input: each is solved with the Gram their adapters pool,
+    as the float64 closed form of the exact updates says (the merge takes the full route)."""
+    base, adapters = lora_family
+    merge_recipe_text(_recipe(base, adapters, gram_sharing="input"), tmp_path / "merged")
+    merged, pre = load_weights(tmp_path / "merged"), load_weights(base)
+    for layer in range(2):
+        attention = f"model.layers.{layer}.self_attn"
+        updates = {p: _exact_updates(adapters, f"{attention}.{p}") for p in ("q_proj", "v_proj")}
+        pooled = [q.T @ q + v.T @ v for q, v in zip(updates["q_proj"], updates["v_proj"])]
+        for part, vectors in updates.items():
+            equations = normal_equations.pooled_equations(vectors, pooled, 1, F64)
+            expected = closed_form.merge_matrix(equations, 0.3 * sum(vectors), 0.05)
+            name = f"{attention}.{part}.weight"
+            assert relative_error(merged[name].double() - pre[name].double(), expected) < 1e-5, name
+            own = closed_form.merge_matrix(
+                normal_equations.data_free_equations(vectors, F64), 0.3 * sum(vectors), 0.05
+            )
+            assert relative_error(own, expected) > 1e-3  # pooling changed the problem
+
+
 def test_a_task_arithmetic_anchor_keeps_mergekit_s_weights_normalize_and_lambda(lora_family, tmp_path):
     """The anchor formed from the factors is mergekit's Task Arithmetic of the adapters: per-model
     weights, ``normalize`` and ``lambda`` as mergekit reads them."""
