@@ -84,24 +84,35 @@ def test_each_lora_weight_is_the_float64_closed_form_of_the_exact_updates(
 
 
 def test_under_gram_sharing_input_each_weight_pools_its_siblings_adapters(lora_family, tmp_path):
-    """q and v (adapted) and k (not) read one input: each is solved with the Gram their adapters pool,
-    as the float64 closed form of the exact updates says (the merge takes the full route)."""
+    """q and v (adapted) and k (not) read one input: each is solved on the low-rank route with the
+    Gram their adapters pool, as the float64 closed form of the exact updates says; cached too."""
     base, adapters = lora_family
-    merge_recipe_text(_recipe(base, adapters, gram_sharing="input"), tmp_path / "merged")
-    merged, pre = load_weights(tmp_path / "merged"), load_weights(base)
-    for layer in range(2):
-        attention = f"model.layers.{layer}.self_attn"
-        updates = {p: _exact_updates(adapters, f"{attention}.{p}") for p in ("q_proj", "v_proj")}
-        pooled = [q.T @ q + v.T @ v for q, v in zip(updates["q_proj"], updates["v_proj"])]
-        for part, vectors in updates.items():
-            equations = normal_equations.pooled_equations(vectors, pooled, 1, F64)
-            expected = closed_form.merge_matrix(equations, 0.3 * sum(vectors), 0.05)
-            name = f"{attention}.{part}.weight"
-            assert relative_error(merged[name].double() - pre[name].double(), expected) < 1e-5, name
-            own = closed_form.merge_matrix(
-                normal_equations.data_free_equations(vectors, F64), 0.3 * sum(vectors), 0.05
-            )
-            assert relative_error(own, expected) > 1e-3  # pooling changed the problem
+    for label, extra in (("direct", {}), ("cached", {"cache": str(tmp_path / "factors")})):
+        merge_recipe_text(_recipe(base, adapters, gram_sharing="input", **extra), tmp_path / label)
+    pre = load_weights(base)
+    rank = 2 * (2 + 3 + 4)  # q's and v's adapters span the input's subspace together
+    for label in ("direct", "cached"):
+        merged = load_weights(tmp_path / label)
+        assert read_record(tmp_path / label).low_rank == {
+            **{
+                f"model.layers.{i}.self_attn.{p}.weight": rank for i in range(2) for p in ("q_proj", "v_proj")
+            },
+            **{f"model.layers.{i}.mlp.down_proj.weight": 2 + 3 + 4 for i in range(2)},
+        }
+        for layer in range(2):
+            attention = f"model.layers.{layer}.self_attn"
+            updates = {p: _exact_updates(adapters, f"{attention}.{p}") for p in ("q_proj", "v_proj")}
+            pooled = [q.T @ q + v.T @ v for q, v in zip(updates["q_proj"], updates["v_proj"])]
+            for part, vectors in updates.items():
+                equations = normal_equations.pooled_equations(vectors, pooled, 1, F64)
+                expected = closed_form.merge_matrix(equations, 0.3 * sum(vectors), 0.05)
+                name = f"{attention}.{part}.weight"
+                assert relative_error(merged[name].double() - pre[name].double(), expected) < 1e-5, name
+                own = normal_equations.data_free_equations(vectors, F64)
+                assert (
+                    relative_error(closed_form.merge_matrix(own, 0.3 * sum(vectors), 0.05), expected) > 1e-3
+                )
+            assert torch.equal(merged[f"{attention}.k_proj.weight"], pre[f"{attention}.k_proj.weight"])
 
 
 def test_a_task_arithmetic_anchor_keeps_mergekit_s_weights_normalize_and_lambda(lora_family, tmp_path):

@@ -140,3 +140,37 @@ def test_mismatched_factors_are_one_line():
     updates = _updates(5)
     with pytest.raises(Exception, match="LoRA factors of expert 0 have shapes"):
         low_rank_factors(updates, torch.zeros(23, 40, dtype=F64))
+
+
+@pytest.mark.parametrize("anchor_kind", ["span", "dense"])
+def test_pooled_grams_of_the_weights_reading_one_input_equal_the_full_pooled_solve(anchor_kind):
+    """``gram_sharing: input``: each expert's Gram pools its updates of the sibling weights (here k and
+    v beside q; expert 2 adapted v alone), and the subspace solve, its span anchor and its evidence
+    equal the dense pooled closed form."""
+    g = torch.Generator().manual_seed(7)
+    d_in, shapes = 40, {"q": 24, "k": 8, "v": 8}
+
+    def update(rows: int, rank: int, expert: int) -> LowRankUpdate:
+        left = 0.3 * torch.randn(rows, rank, generator=g, dtype=F64)
+        return LowRankUpdate(left, torch.randn(rank, d_in, generator=g, dtype=F64), expert)
+
+    own = [update(shapes["q"], 2, 0), update(shapes["q"], 3, 1)]
+    siblings = [update(shapes["k"], 2, 0), update(shapes["v"], 3, 0), update(shapes["v"], 2, 2)]
+    vectors = [own[0].dense(), own[1].dense(), torch.zeros(shapes["q"], d_in, dtype=F64)]
+    grams = [v.T @ v for v in vectors]
+    for sibling in siblings:
+        grams[sibling.expert] += sibling.dense().T @ sibling.dense()
+    rows = sum(shapes.values())
+    equations = normal_equations.pooled_equations(vectors, grams, rows, F64)
+    coefficients = (0.3, 0.3, 0.3)
+    dense_anchor = 0.3 * (vectors[0] + vectors[1])
+    prior = SpanAnchor(coefficients, (shapes["q"], d_in)) if anchor_kind == "span" else dense_anchor
+    factors = low_rank_factors(own, prior, experts=3, siblings=siblings, rows=rows)
+    assert factors.rank == 12
+    for lam in (1e-3, 0.1, 10.0):
+        full = closed_form.merge_matrix(equations, dense_anchor, lam)
+        assert relative_error(closed_form.solve_from_factors(factors, factors.ridge(lam)), full) < 1e-9
+    dense = closed_form.eigen_factors(equations, dense_anchor, F64)
+    ours, reference = evidence.choose(factors.evidence), evidence.choose(dense.evidence)
+    assert ours.lam == pytest.approx(reference.lam, rel=1e-6)
+    assert ours.log_evidence == pytest.approx(reference.log_evidence, rel=1e-9)

@@ -78,40 +78,73 @@ def _check(updates: Sequence[LowRankUpdate], anchor: torch.Tensor | SpanAnchor) 
             )
 
 
+def _check_siblings(siblings: Sequence[LowRankUpdate], d_in: int) -> None:
+    for update in siblings:
+        if update.right.shape[1] != d_in or update.left.shape[1] != update.rank:
+            raise TensorInputError(
+                f"LoRA factors of a weight reading the same input have shapes {tuple(update.left.shape)} "
+                f"and {tuple(update.right.shape)}; expected (*, r) and (r, {d_in})"
+            )
+
+
 def low_rank_factors(
     updates: Sequence[LowRankUpdate],
     anchor: torch.Tensor | SpanAnchor,
     weights: Sequence[float] | None = None,
     dtype: torch.dtype = torch.float64,
     experts: int | None = None,
+    siblings: Sequence[LowRankUpdate] = (),
+    rows: int | None = None,
 ) -> EigenFactors:
     """The closed form's eigen factors for low-rank experts (thin basis of rank ``k = Σ r_t``), in
     ``dtype``, with the evidence's terms (:mod:`mergekit_bmm.core.evidence`); data-free Grams,
     ``weights`` the tasks' balance weights (default 1). ``experts``: how many experts the merge has
     (an expert whose adapter leaves this weight alone has no update here but still observed it);
     no update at all gives the anchor (a rank-0 basis). A :class:`SpanAnchor` gives factors whose
-    anchor is held in the basis (``EigenFactors.anchor_in_basis``), never as a dense matrix."""
+    anchor is held in the basis (``EigenFactors.anchor_in_basis``), never as a dense matrix.
+
+    ``siblings`` (``gram_sharing: input``): the experts' updates of the other weights that read this
+    weight's input; each expert's Gram pools them, ``G_t = Σ_p U_t^pᵀU_t^p``, and ``C = Σ U_t G_t``
+    (the basis then spans every ``A`` of the input); ``rows``: the rows an expert's pooled Gram
+    holds (default ``d_out``), its observations for the evidence."""
     d_out, d_in = anchor.shape
-    if not updates:
+    if not updates and not siblings:
         if isinstance(anchor, SpanAnchor):  # every coefficient multiplies a missing update: U0 = 0
             raise TensorInputError("a span anchor needs at least one expert's update; give the dense anchor")
         return _anchor_only(anchor, experts or 0)
-    _check(updates, anchor)
+    if updates:
+        _check(updates, anchor)
+    _check_siblings(siblings, d_in)
+    if siblings and weights is not None:
+        raise TensorInputError("balance weights and pooled Grams do not combine on the low-rank route")
     weights = list(weights) if weights is not None else [1.0] * len(updates)
-    lefts = [u.left.to(dtype) for u in updates]
-    rights = [u.right.to(dtype) for u in updates]
+    every = [*updates, *siblings]
+    lefts = [u.left.to(dtype) for u in every]
+    rights = [u.right.to(dtype) for u in every]
     stacked = torch.cat(rights, dim=0)  # A, k × d_in
     q, r_factor = torch.linalg.qr(stacked.T)  # Aᵀ = Q R
-    blocks = [w * (b.T @ b) for w, b in zip(weights, lefts)]  # M_t = w_t B_tᵀ B_t
+    blocks = [w * (b.T @ b) for w, b in zip([*weights, *[1.0] * len(siblings)], lefts)]  # w_t B_tᵀ B_t
     m = torch.block_diag(*blocks)
     h = r_factor @ m @ r_factor.T
     h = 0.5 * (h + h.T)
-    # C Q = Σ w_t B_t (A_t A_tᵀ)(B_tᵀ B_t) (A_t Q): every factor k-sized
-    right_in_q = [a @ q for a in rights]  # A_t Q, r_t × k
-    cross_q = sum(b @ ((a @ a.T) @ block) @ aq for b, a, block, aq in zip(lefts, rights, blocks, right_in_q))
+    right_in_q = [a @ q for a in rights]  # A_p Q, r_p × k
+    # Per own update, A_t G_t Q and A_t G_t A_tᵀ with G_t = Σ_p A_pᵀ M_p A_p over the expert's updates
+    # of this input (its own alone without siblings): every factor k-sized
+    own = range(len(updates))
+    pooled_q, pooled_own = [], []
+    for i in own:
+        mine = [i, *(j for j in range(len(updates), len(every)) if every[j].expert == every[i].expert)]
+        pooled_q.append(sum((rights[i] @ rights[j].T) @ blocks[j] @ right_in_q[j] for j in mine))
+        pooled_own.append(
+            sum((rights[i] @ rights[j].T) @ blocks[j] @ (rights[j] @ rights[i].T) for j in mine)
+        )
+    cross_q = sum((lefts[i] @ pooled_q[i] for i in own), torch.zeros(d_out, q.shape[1], dtype=dtype))
     if isinstance(anchor, SpanAnchor):  # U0 Q = Σ c_t B_t (A_t Q): k-sized, exact in ``dtype``
         coefficients = [anchor.coefficients[u.expert] for u in updates]
-        anchor_q = sum(c * (b @ aq) for c, b, aq in zip(coefficients, lefts, right_in_q))
+        anchor_q = sum(
+            (c * (lefts[i] @ right_in_q[i]) for c, i in zip(coefficients, own)),
+            torch.zeros(d_out, q.shape[1], dtype=dtype),
+        )
     else:
         # U0 Q, the one d_out × d_in × k product, in the anchor's own dtype (the merge's compute dtype):
         # a float32 product is exact to its rounding, and the rest is k-sized and in ``dtype``
@@ -121,14 +154,12 @@ def low_rank_factors(
     basis = q @ vectors
     correction = residual_q @ vectors
     trace = float(torch.diagonal(h).sum())
-    # S = Σ w_t ‖U_tᵀU_t‖²_F = Σ w_t tr((P_t B_tᵀB_t)²), P_t = A_t A_tᵀ (r_t × r_t)
-    energy = sum(
-        w * float(torch.trace(((a @ a.T) @ (b.T @ b)) @ ((a @ a.T) @ (b.T @ b))))
-        for w, a, b in zip(weights, rights, lefts)
-    )
+    # S = Σ w_t ⟨U_t G_t, U_t⟩ = Σ w_t tr(B_tᵀB_t · A_t G_t A_tᵀ) (r_t × r_t; G_t = U_tᵀU_t: ‖U_tᵀU_t‖²_F)
+    energy = sum(float(torch.trace((lefts[i].T @ lefts[i]) @ pooled_own[i])) for i in own)
     # A = S − ⟨U0, C⟩ − ⟨U0, C − U0 G⟩, each inner product through Q (C and U0 G live in span Q)
     misfit = energy - float((anchor_q * cross_q).sum()) - float((anchor_q * residual_q).sum())
-    evidence = terms_of(eigenvalues, correction, misfit, (experts or len(updates)) * d_out, trace / d_in)
+    observations = (experts or len(updates)) * (rows or d_out)
+    evidence = terms_of(eigenvalues, correction, misfit, observations, trace / d_in)
     in_span = isinstance(anchor, SpanAnchor)
     return EigenFactors(
         basis=basis,

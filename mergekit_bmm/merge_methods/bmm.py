@@ -58,7 +58,7 @@ from mergekit_bmm.merge_methods.factor_cache.fill import fill_exact_factors, fil
 from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
 from mergekit_bmm.merge_methods.finite import check_finite, checked_base, checked_output
 from mergekit_bmm.merge_methods.lora_data_route import cached_row_factors, factored_equations, solve_factored
-from mergekit_bmm.merge_methods.lora_route import lora_updates, span_anchor
+from mergekit_bmm.merge_methods.lora_route import lora_updates, sibling_updates, span_anchor
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
 from mergekit_bmm.merge_methods.pieces import (
     Piece,
@@ -70,7 +70,7 @@ from mergekit_bmm.merge_methods.pieces import (
     pieces_of,
 )
 from mergekit_bmm.merge_methods.shared_factor import shared_factor, shared_input_key
-from mergekit_bmm.merge_methods.shared_inputs import sibling_names
+from mergekit_bmm.merge_methods.shared_inputs import sibling_names, sibling_rows
 
 LOG = logging.getLogger("mergekit_bmm")
 
@@ -155,11 +155,11 @@ class BMMMerge(GroupMergeMethod):
         if info.experts or parts:
             pieces = pieces_of(tuple(base.shape), parts, info.experts, transpose)
             return self._merge_pieces(group, source, settings, transpose, cache, pieces)
-        equations = normal_equations_for
+        equations, siblings = normal_equations_for, ()
         if settings.gram_sharing == "input" and settings.gram != "activations":  # one Gram per input
             siblings = sibling_names(name, info, group.base.id, model_type_of(group.base.id))
             equations = partial(normal_equations_for, siblings=siblings, transpose=transpose)
-        solve = _Solve(name, group, tuple(tasks), source, settings, transpose, equations)
+        solve = _Solve(name, group, tuple(tasks), source, settings, transpose, equations, siblings=siblings)
         return solve.direct() if cache is None else solve.cached(cache)
 
     def _merge_pieces(
@@ -222,6 +222,7 @@ class _Solve:
     transpose: bool
     equations_for: Callable[..., normal_equations.NormalEquations]
     piece: Piece | None = None  # an expert of a stack, or a part of a fused weight
+    siblings: tuple[str, ...] = ()  # gram_sharing: input: the other weights that read this one's input
 
     def orient(self, matrix: torch.Tensor) -> torch.Tensor:
         return matrix.T if self.transpose else matrix
@@ -288,7 +289,18 @@ class _Solve:
         if prior is None:
             dtype = self.settings.compute_dtype  # the anchor as the full route computes it
             prior = self.orient(self.source.weight(dtype) - self.base.to(dtype))
-        return low_rank_factors(updates, prior, experts=len(self.tasks))
+        if not self.siblings:
+            return low_rank_factors(updates, prior, experts=len(self.tasks))
+        shared = sibling_updates(self.group, self.tasks, self.siblings)  # their rows join each G_t
+        rows = self.orient(self.base).shape[0] + sibling_rows(self.group.base.id, self.siblings)
+        return low_rank_factors(updates, prior, experts=len(self.tasks), siblings=shared, rows=rows)
+
+    def keeps_anchor(self, updates: list[LowRankUpdate] | None) -> bool:
+        """No adapter touches this weight and the anchor is its value: alone, or pooled with an
+        anchor the adapters sum (all zero here; a dense anchor is still solved against the pool)."""
+        if updates != []:
+            return False
+        return not self.siblings or span_anchor(self.source, tuple(self.base.shape)) is not None
 
     def untouched(self) -> torch.Tensor:
         """No expert's adapter touches this weight: the anchor's value, counted as kept (the base
@@ -302,7 +314,7 @@ class _Solve:
     def direct(self) -> torch.Tensor:
         settings = self.settings
         updates = self.low_rank_updates()
-        if updates == []:
+        if self.keeps_anchor(updates):
             return self.untouched()
         if updates is not None:
             factors = self._low_rank_factors(updates)  # k-sized parts in float64
@@ -360,7 +372,7 @@ class _Solve:
         key = cache_key.factor_key(settings, self.source, self.transpose)
         shape = tuple(self.orient(self.base).shape)
         updates = self.low_rank_updates()
-        if updates == []:
+        if self.keeps_anchor(updates):
             return self.untouched()
         if updates is not None:
             key = cache_key.with_route(key, "low_rank/3")  # 3: a Task Arithmetic anchor from the factors
@@ -373,8 +385,8 @@ class _Solve:
         if factors is None and updates is not None:
             exact = self._low_rank_factors(updates)
             factors = fill_exact_factors(cache, self.name, key, exact, self.orient(self.base), settings)
-        if updates is not None:
-            merge_findings.note_low_rank(self.name, sum(update.rank for update in updates))
+        if updates is not None and factors is not None:
+            merge_findings.note_low_rank(self.name, factors.rank)  # Σ r_t, or the pooled input's
         if factors is None:
             # Factorised once in float64: the cached route is then at least as accurate as
             # the direct one (see closed_form.eigen_factors); trials solve in `dtype`.

@@ -1,7 +1,8 @@
 """When ``bmm`` solves a weight from its LoRA experts' factors (:mod:`mergekit_bmm.core.low_rank`).
 
 Every expert must be a plain LoRA adapter on the recipe's base (``model: BASE+ADAPTER``), the Grams
-data-free and untouched by ``task_balance``, the weight an ``nn.Linear`` one (not GPT-2's Conv1D, not
+data-free (each weight's own, or pooled over the weights that read its input) and untouched by
+``task_balance``, the weight an ``nn.Linear`` one (not GPT-2's Conv1D, not
 a slice of an expert stack), and ``low_rank`` not switched off. Anything else takes the full route.
 An anchor that is a sum of the adapters' updates (Task Arithmetic, the base) is formed from their
 factors too: nothing on the route is computed from the dense copies mergekit made of the adapters.
@@ -50,12 +51,13 @@ def lora_updates(
 
 
 def _applies(settings: BMMSettings, data_assisted: bool) -> bool:
-    """Data-free: unpooled Grams; data-assisted: not ``lambda: auto`` (its evidence reads dense
-    equations) and no mix whose data-free part pools other weights; both: plain task weights."""
+    """Data-free: either Gram rule (pooled Grams read the siblings' factors, :func:`sibling_updates`);
+    data-assisted: not ``lambda: auto`` (its evidence reads dense equations) and no mix whose data-free
+    part pools other weights; both: plain task weights."""
     if not settings.low_rank or settings.task_balance != "none":
         return False
     if not data_assisted:
-        return settings.gram == "data_free" and settings.gram_sharing == "weight"
+        return settings.gram == "data_free"
     if settings.gram not in ("activations", "mix") or settings.lambda_auto:
         return False
     return settings.gram == "activations" or settings.gram_sharing == "weight"
@@ -86,6 +88,17 @@ def adapter_factors(
                     "or re-train that adapter before merging"
                 )
             updates.append(LowRankUpdate(*factors, expert=index))
+    return updates
+
+
+def sibling_updates(
+    group: TensorGroup, tasks: Sequence[TensorEntry], siblings: Sequence[str]
+) -> list[LowRankUpdate]:
+    """Every expert's ``(s·B, A)`` for the other weights that read this weight's input (``gram_sharing:
+    input``), each tagged with its expert; weights no adapter touches add nothing."""
+    updates = []
+    for sibling in siblings:
+        updates += adapter_factors(group, tasks, sibling) or []
     return updates
 
 

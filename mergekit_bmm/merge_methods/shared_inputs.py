@@ -34,6 +34,13 @@ def sibling_names(name: str, info: ModuleInfo, base: object, model_type: str | N
     )
 
 
+def sibling_rows(base: object, names: Sequence[str]) -> int:
+    """How many rows the weights ``names`` hold together in the base checkpoint (their observations)."""
+    reference = str(getattr(getattr(base, "model", None), "path", base))
+    shapes = weight_shapes_of(reference)
+    return sum(int(shapes[name][0]) for name in names)
+
+
 @lru_cache(maxsize=16)
 def _weights_by_input(reference: str, model_type: str | None) -> dict[tuple[int, str], tuple[str, ...]]:
     found: dict[tuple[int, str], list[str]] = {}

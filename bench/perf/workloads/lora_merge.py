@@ -248,7 +248,7 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group | Callable[[], G
     Task Arithmetic of their own rounds; a resident trial last."""
     os.environ["MERGEKIT_BMM_CACHE"] = str(root / "plugin-cache")
     base, adapters = _family(parameters, root)
-    data = {}
+    data = {} if parameters["sharing"] == "weight" else {"gram_sharing": parameters["sharing"]}
     if parameters["gram"] != "data_free":  # data-assisted: C = B·Z from the factors and the Grams
         data = {"gram": parameters["gram"], "stats": str(lora_stats(root / "models", base, adapters))}
         if parameters["rows"] == "adapters":  # the update's rows kept in the span of the A_t: k × k solves
@@ -309,6 +309,7 @@ def notes(parameters: dict[str, Any]) -> str:
         f"{parameters['experts']} adapters of rank {parameters['rank']} on {where}, float32, "
         f"gram {parameters['gram']}, {parameters['device']}"
         + (", low_rank_rows adapters" if parameters["rows"] == "adapters" else "")
+        + (f", gram_sharing {parameters['sharing']}" if parameters["sharing"] != "weight" else "")
     )
 
 
@@ -320,6 +321,7 @@ SHAPE = {
     "full_route": True,
     "gram": "data_free",
     "rows": "dense",  # with a data-assisted gram: `adapters` for `low_rank_rows: adapters`
+    "sharing": "weight",  # bmm's gram_sharing (input: each Gram pools q/k/v's, gate/up's adapters)
     "statistics": 0,  # > 0: also time mergekit-bmm-stats on this many texts, adapters against dense models
     "device": "cpu",  # cuda: every merge, trial and statistic on the GPU, in this process
 }
