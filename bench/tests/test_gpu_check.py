@@ -47,11 +47,25 @@ def test_gpu_check_search_on_the_cpu_with_small_shapes(models, tmp_path):
     assert search["trials"] == 2 and search["trials_mode"] == "memory"
 
 
-@pytest.mark.parametrize("part", ["billion", "eight_b"])
-def test_gpu_check_billion_and_eight_b_run_the_billion_merge_workload(models, tmp_path, part):
-    found = _check(models, tmp_path / f"{part}.json", part)
+def test_gpu_check_billion_runs_the_billion_merge_workload(models, tmp_path):
+    found = _check(models, tmp_path / "billion.json", "billion")
     assert found["workload"] == "billion_merge"
     assert {"task_arithmetic", "bmm data-free"} <= {row["label"] for row in found["rows"]}
+
+
+def test_gpu_check_eight_b_is_the_billion_merge_workload_at_llama_3_8b_depth(tmp_path, monkeypatch):
+    """At the small size ``eight_b`` runs exactly the ``billion`` part's workload (tested above); at
+    the full size it sets the 8B body: hidden 4096, MLP 14336, 32 layers, T = 2, no warm-up."""
+    import bench.gpu_check as check
+
+    asked = []
+    monkeypatch.setattr(check, "workload", lambda *args, **kwargs: asked.append((args, kwargs)) or {})
+    check.eight_b(tmp_path, "cuda", "full")
+    (name, _, device, size, shape), options = asked[0]
+    assert (name, device, size, options) == ("billion_merge", "cuda", "full", {"warmup": 0})
+    assert {k: shape[k] for k in ("hidden", "intermediate", "layers", "experts")} == {
+        "hidden": 4096, "intermediate": 14336, "layers": 32, "experts": 2,
+    }  # fmt: skip
 
 
 def test_gpu_check_label_free_search(models, tmp_path):
