@@ -104,6 +104,7 @@ def verdict(summary: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
                     row[f"{kind}_share"] >= DEFAULTS_BAR
                 )
         for key in (
+            "candidate_vs_defaults",
             "auto_vs_defaults",
             "agreement_vs_defaults",
             "entropy_vs_defaults",

@@ -350,6 +350,9 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path, monkeypatch):
     assert "candidate" not in cells[("task_arithmetic", "data_free")]
     cell = summary[("task_arithmetic", "data_assisted")]
     assert cell["candidate_delta_low"] <= cell["candidate_delta"] <= cell["candidate_delta_high"]
+    versus = cell["candidate_vs_defaults"]  # the choice between the two defaults, paired on test
+    assert versus["low"] <= versus["estimate"] <= versus["high"]
+    assert results["verdict"]["data_assisted"]["candidate_vs_defaults"] == 1
     assert "candidate_reach_80" not in results["verdict"]["data_free"]
     for mode in ("data_free", "data_assisted"):  # λ from the evidence: paired with anchor and search
         auto = cells[("task_arithmetic", mode)]["auto"]
@@ -413,6 +416,7 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path, monkeypatch):
     assert "Why BMM moves or keeps its anchor" in text and "mean cos_F" in text
     assert "## Variants" in text and "## Task balance" in text and "## The BMM model to keep" in text
     assert "BMM at a proposed default" in text and "scale 1.5: " in text
+    assert "The proposed default paired against today's defaults on test — data_assisted: " in text
     assert (
         "share of range: anchor → BMM" in text and "| 100% |" in text
     )  # where models land, read as the paper

@@ -164,7 +164,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
     ]  # fmt: skip
     proposed = any("candidate_score" in cell for cell in summary)
     if proposed:
-        header.append("BMM at a proposed default (Δ; share)")
+        header.append("BMM at a proposed default (Δ; share; vs the defaults)")
     evidence = any("auto_score" in cell for cell in summary)
     if evidence:
         header.append("BMM at `lambda: auto` (Δ; share; vs the search; vs the defaults)")
@@ -195,7 +195,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
             f"{100 * cell['anchor_score']:.1f} | {100 * cell['bmm_score']:.1f} | "
             f"{100 * cell['delta']:+.1f} [{100 * cell['delta_low']:.1f}, {100 * cell['delta_high']:.1f}] | "
             f"{versus_best} | {lands} | {_defaults_cell(cell)} |"
-            + (f" {_defaults_cell(cell, 'candidate')} |" if proposed else "")
+            + (f" {_candidate_cell(cell)} |" if proposed else "")
             + (f" {_auto_cell(cell)} |" if evidence else "")
             + (f" {_oracle_cell(cell)} |" if oracle else "")
             + "".join(f" {_auto_cell(cell, kind)} |" for kind in label_free)
@@ -226,6 +226,9 @@ def summary_markdown(results: dict[str, Any]) -> str:
     )
     if tried:
         text += f" A proposed default (`search.default_candidates`) reaching it — {tried}."
+    proposed_vs = _paired_tally(counts, "candidate", "defaults")
+    if proposed_vs:
+        text += f"\n\nThe proposed default paired against today's defaults on test — {proposed_vs}."
     automatic = "; ".join(
         f"{mode}: {c['auto_reach_80']} of the {c.get('auto_measured', c['search_gained'])}"
         for mode, c in counts.items()
@@ -300,6 +303,14 @@ def _auto_cell(cell: dict[str, Any], kind: str = "auto") -> str:
     for key in (f"{kind}_vs_search", f"{kind}_vs_defaults"):
         text += f"; {interval_text(cell[key], True)}" if cell.get(key) else "; –"
     return text
+
+
+def _candidate_cell(cell: dict[str, Any]) -> str:
+    """A proposed default: against the anchor (share of the search's Δ) and today's defaults (paired)."""
+    if "candidate_score" not in cell:
+        return "–"
+    versus = cell.get("candidate_vs_defaults")
+    return _defaults_cell(cell, "candidate") + (f"; {interval_text(versus, True)}" if versus else "; –")
 
 
 def _parameters(cell: dict[str, Any]) -> str:
