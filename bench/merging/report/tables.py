@@ -226,9 +226,6 @@ def summary_markdown(results: dict[str, Any]) -> str:
     )
     if tried:
         text += f" A proposed default (`search.default_candidates`) reaching it — {tried}."
-    proposed_vs = _paired_tally(counts, "candidate", "defaults")
-    if proposed_vs:
-        text += f"\n\nThe proposed default paired against today's defaults on test — {proposed_vs}."
     automatic = "; ".join(
         f"{mode}: {c['auto_reach_80']} of the {c.get('auto_measured', c['search_gained'])}"
         for mode, c in counts.items()
@@ -239,6 +236,9 @@ def summary_markdown(results: dict[str, Any]) -> str:
             " BMM at `lambda: auto` (λ per weight from the evidence, s 1; no validation data) reaching it "
             f"— {automatic}."
         )
+    proposed_vs = _paired_tally(counts, "candidate", "defaults")
+    if proposed_vs:
+        text += f"\n\nThe proposed default paired against today's defaults on test — {proposed_vs}."
     against = _paired_tally(counts, "auto", "defaults")
     if against:
         text += f"\n\n`lambda: auto` paired against BMM at its defaults (λ 0.1, s 1) on test — {against}."
