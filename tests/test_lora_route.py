@@ -115,6 +115,25 @@ def test_under_gram_sharing_input_each_weight_pools_its_siblings_adapters(lora_f
             assert torch.equal(merged[f"{attention}.k_proj.weight"], pre[f"{attention}.k_proj.weight"])
 
 
+def test_under_gram_sharing_input_untouched_weights_keep_a_dense_anchor_with_their_line(
+    lora_family, tmp_path
+):
+    """TIES (a dense anchor): gate and up, which no adapter touches, pool only with each other and keep
+    the anchor, counted as kept; k (untouched, pooled with q and v) is solved against their pool."""
+    base, adapters = lora_family
+    recipe = yaml.safe_load(_recipe(base, adapters, gram_sharing="input"))
+    recipe["parameters"]["anchor_method"] = "ties"
+    for model in recipe["models"]:
+        model["parameters"] = {"weight": 1.0, "density": 0.5}
+    merge_recipe_text(yaml.safe_dump(recipe), tmp_path / "merged")
+    record = read_record(tmp_path / "merged")
+    kept = record.kept_at_anchor["no_experts"]
+    assert {f"model.layers.{i}.mlp.{p}.weight" for i in range(2) for p in ("gate_proj", "up_proj")} <= set(
+        kept
+    )
+    assert "model.layers.0.self_attn.k_proj.weight" in record.low_rank  # solved against q's and v's pool
+
+
 def test_a_task_arithmetic_anchor_keeps_mergekit_s_weights_normalize_and_lambda(lora_family, tmp_path):
     """The anchor formed from the factors is mergekit's Task Arithmetic of the adapters: per-model
     weights, ``normalize`` and ``lambda`` as mergekit reads them."""

@@ -58,7 +58,7 @@ from mergekit_bmm.merge_methods.factor_cache.fill import fill_exact_factors, fil
 from mergekit_bmm.merge_methods.factor_cache.store import FactorCache
 from mergekit_bmm.merge_methods.finite import check_finite, checked_base, checked_output
 from mergekit_bmm.merge_methods.lora_data_route import cached_row_factors, factored_equations, solve_factored
-from mergekit_bmm.merge_methods.lora_route import lora_updates, sibling_updates, span_anchor
+from mergekit_bmm.merge_methods.lora_route import lora_updates, sibling_updates, span_anchor, touched
 from mergekit_bmm.merge_methods.observer import FactoredTensor, SolvedTensor
 from mergekit_bmm.merge_methods.pieces import (
     Piece,
@@ -296,11 +296,14 @@ class _Solve:
         return low_rank_factors(updates, prior, experts=len(self.tasks), siblings=shared, rows=rows)
 
     def keeps_anchor(self, updates: list[LowRankUpdate] | None) -> bool:
-        """No adapter touches this weight and the anchor is its value: alone, or pooled with an
-        anchor the adapters sum (all zero here; a dense anchor is still solved against the pool)."""
+        """No adapter touches this weight and the anchor is its value: it reads its input alone, no
+        adapter touches the weights it pools with, or the anchor sums the adapters (all zero here); a
+        dense anchor is solved against a pool that adapters moved."""
         if updates != []:
             return False
-        return not self.siblings or span_anchor(self.source, tuple(self.base.shape)) is not None
+        if not self.siblings or span_anchor(self.source, tuple(self.base.shape)) is not None:
+            return True
+        return not touched(self.group, self.tasks, self.siblings)
 
     def untouched(self) -> torch.Tensor:
         """No expert's adapter touches this weight: the anchor's value, counted as kept (the base

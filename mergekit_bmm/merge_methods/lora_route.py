@@ -102,6 +102,13 @@ def sibling_updates(
     return updates
 
 
+def touched(group: TensorGroup, tasks: Sequence[TensorEntry], names: Sequence[str]) -> bool:
+    """Whether any expert's adapter changes one of the weights ``names`` (read from the adapters'
+    configs, no factor loaded)."""
+    adapters = plain_adapters(group, tasks) or []
+    return any(adapter.touches(name) for adapter in adapters for name in names)
+
+
 def plain_adapters(group: TensorGroup, tasks: Sequence[TensorEntry]) -> list[Adapter] | None:
     """Each expert's adapter, when every expert is a plain LoRA adapter on the recipe's base whose
     modules are all weights of that base; else None (a dense expert, an adapter on another base, DoRA
