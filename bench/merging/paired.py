@@ -81,11 +81,7 @@ def add_intervals(config: RunConfig, cache_dir: Path, art: Artifacts, results: d
                 continue
             scored[kind] = flags(merge["model_id"])
             estimate, low, high = paired_difference(scored[kind], anchors[anchor])
-            if kind in (
-                "candidate",
-                "auto",
-                *LABEL_FREE,
-            ):  # against the search it would replace, and the defaults
+            if kind in ("candidate", "auto", *LABEL_FREE):  # against the search it replaces, the defaults
                 cell[f"{kind}_vs_search"] = _paired(scored[kind], expected)
                 if "defaults" in scored:
                     cell[f"{kind}_vs_defaults"] = _paired(scored[kind], scored["defaults"])

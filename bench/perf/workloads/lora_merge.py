@@ -250,7 +250,7 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group | Callable[[], G
     base, adapters = _family(parameters, root)
     data = {} if parameters["sharing"] == "weight" else {"gram_sharing": parameters["sharing"]}
     if parameters["gram"] != "data_free":  # data-assisted: C = B·Z from the factors and the Grams
-        data = {"gram": parameters["gram"], "stats": str(lora_stats(root / "models", base, adapters))}
+        data |= {"gram": parameters["gram"], "stats": str(lora_stats(root / "models", base, adapters))}
         if parameters["rows"] == "adapters":  # the update's rows kept in the span of the A_t: k × k solves
             data["low_rank_rows"] = "adapters"
     device = parameters["device"]
