@@ -45,10 +45,12 @@ def normal_equations(
     task_grams: Sequence[torch.Tensor] | None = None,
     epsilon: float = 0.5,
     task_balance: str = "none",
+    free_grams: Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(G, C)``: data_free ``Σ w_t U_tᵀU_t, Σ w_t U_t U_tᵀU_t``; activations ``Σ w_t G_t, Σ w_t U_t G_t``;
-    mix: each divided by ``tr(G)/d_in``, then ``ε·few + (1-ε)·df`` (``w_t``: :func:`balance`)."""
-    free_grams = [u.T @ u for u in vectors]
+    mix: each divided by ``tr(G)/d_in``, then ``ε·few + (1-ε)·df`` (``w_t``: :func:`balance`).
+    ``free_grams``: each task's data-free Gram pooled over the weights that read the input."""
+    free_grams = free_grams if free_grams is not None else [u.T @ u for u in vectors]
     w = balance(free_grams, task_balance)
     free = (
         sum(a * g for a, g in zip(w, free_grams)),
@@ -92,6 +94,30 @@ def logical_rows(name: str, config, rows: int) -> list[torch.Tensor]:
     return [index]
 
 
+def shared_input_grams(
+    base: dict[str, torch.Tensor], experts: Sequence[dict[str, torch.Tensor]], model_type: str
+) -> dict[str, list[torch.Tensor]]:
+    """``gram_sharing: input``: per weight of an input group (q/k/v, gate/up; not an expert stack),
+    each task's ``Σ U_t^sᵀU_t^s`` over the weights of its layer and group, oriented (out, in)."""
+    by_input: dict[tuple[int, str], list[str]] = {}
+    for name, tensor in base.items():
+        info = classify(name, model_type) if tensor.ndim == 2 else None
+        if info is not None and not info.experts and info.group.value in ("attn_in", "mlp_in"):
+            by_input.setdefault((info.layer, info.group.value), []).append(name)
+    pooled = {}
+    for names in by_input.values():
+        grams = []
+        for expert in experts:
+            gram = 0
+            for name in names:
+                vector = expert[name].double() - base[name].double()
+                vector = vector.T if classify(name, model_type).stored_in_out else vector
+                gram = gram + vector.T @ vector
+            grams.append(gram)
+        pooled |= dict.fromkeys(names, grams)
+    return pooled
+
+
 def expected_bmm_merge(
     family,
     weights: Sequence[float],
@@ -103,11 +129,13 @@ def expected_bmm_merge(
     epsilon: float = 0.5,
     experts: Sequence[Path] | None = None,
     task_balance: str = "none",
+    gram_sharing: str = "input",
 ) -> dict[str, torch.Tensor]:
     """Every output tensor of a Task-Arithmetic-anchored bmm merge of ``family``, in float64.
 
     ``lam`` and ``scale`` are numbers or functions of the tensor name; ``grams`` maps each
-    expert's path to its activation Grams by weight name (``gram_mode`` activations/mix).
+    expert's path to its activation Grams by weight name (``gram_mode`` activations/mix);
+    ``gram_sharing`` as bmm's (the data-free Gram per input, or per logical weight).
     """
     experts = list(experts or family.experts)
     base = load_weights(family.base)
@@ -115,6 +143,7 @@ def expected_bmm_merge(
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(family.base)
+    shared = shared_input_grams(base, expert_weights, model_type) if gram_sharing == "input" else {}
     expected = {}
     for name, w_pre in base.items():
         w_pre = w_pre.double()
@@ -129,11 +158,14 @@ def expected_bmm_merge(
         task_grams = [grams[str(path)][name].double() for path in experts] if grams is not None else None
         prior = flip(anchor)
         merged = torch.empty_like(prior)
-        # gram_sharing: weight: each logical weight of a fused one its own data-free Gram
-        parts = logical_rows(name, config, prior.shape[0]) if gram_mode != "activations" else [slice(None)]
+        # gram_sharing: weight: each logical weight of a fused one its own data-free Gram; input: one
+        # Gram for the weights that read the input (a fused weight's parts pool their rows)
+        by_part = gram_mode != "activations" and gram_sharing == "weight"
+        parts = logical_rows(name, config, prior.shape[0]) if by_part else [slice(None)]
         for rows in parts:
             part = [v[rows] for v in vectors]
-            gram, cross = normal_equations(part, gram_mode, task_grams, epsilon, task_balance)
+            free = shared.get(name)
+            gram, cross = normal_equations(part, gram_mode, task_grams, epsilon, task_balance, free)
             merged[rows] = ridge_solve(gram, cross, prior[rows], _value(lam, name))
         expected[name] = w_pre + _value(scale, name) * flip(merged)
     return expected

@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 from conftest import load_weights, reference_solve, relative_error
+from references import shared_input_grams
 
 from mergekit_bmm.core import iso_c_merge, iso_cts_merge, regmean_merge, tsv_merge, wudi_merge
 from mergekit_bmm.core.module_map import classify
@@ -102,6 +103,7 @@ def test_bmm_over_each_anchor_matches_float64(method, tiny_llama, tmp_path):
     anchors = expected_merge(tiny_llama, lambda vectors, name: algorithm(vectors))
     base = load_weights(tiny_llama.base)
     experts = [load_weights(path) for path in tiny_llama.experts]
+    pooled = shared_input_grams(base, experts, "llama")  # bmm's default: q/k/v, gate/up one Gram
     expected = {}
     for name, w_pre in base.items():
         w_pre = w_pre.double()
@@ -109,7 +111,7 @@ def test_bmm_over_each_anchor_matches_float64(method, tiny_llama, tmp_path):
             expected[name] = anchors[name]
             continue
         vectors = [e[name].double() - w_pre for e in experts]
-        expected[name] = w_pre + reference_solve(vectors, anchors[name] - w_pre, 0.05)
+        expected[name] = w_pre + reference_solve(vectors, anchors[name] - w_pre, 0.05, pooled.get(name))
     compare(got, expected, base, 1e-4)
 
 

@@ -5,7 +5,9 @@ anchor is merged through mergekit's ``run_merge``; the merged folder must load i
 and run forward, and every tensor must equal an independent float64 closed form: the weights of
 ``nn.Linear`` / ``Conv1D`` modules inside the layers (routers excepted) and every expert of a
 mixture-of-experts stack are solved in the orientation their module uses, everything else is
-Task Arithmetic.
+Task Arithmetic. Under bmm's default ``gram_sharing: input`` the modules of one parent that read the
+same tensor in a forward pass (q/k/v, gate/up) share one data-free Gram; the reference finds them
+by running the model, not from the project's module map.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import torch
 import yaml
 from conftest import relative_error
-from references import logical_rows, ridge_solve
+from references import ridge_solve
 
 from mergekit_bmm.examples.architectures import AUTO_CLASS, MIXTURES_OF_EXPERTS, TINY_CONFIGS
 from mergekit_bmm.plugin.run import merge_recipe_text
@@ -55,22 +57,42 @@ def solved_layouts(model: torch.nn.Module) -> dict[str, str]:
     return layouts
 
 
-def solve_rows(vectors: list[torch.Tensor], prior: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
-    """Each part of an (out, in) weight as its own regression (its own Gram and λ′)."""
-    solved = torch.empty_like(prior)
-    for rows in parts:
-        matrices = [m[rows] for m in vectors]
-        gram = sum(m.T @ m for m in matrices)
-        cross = sum(m @ m.T @ m for m in matrices)
-        solved[rows] = ridge_solve(gram, cross, prior[rows], LAMBDA)
-    return solved
+def shared_inputs(model: torch.nn.Module, layouts: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """Weight name -> the solved 2-D weights of its parent module that read the very same tensor in
+    a forward pass (itself included): the weights whose data-free Grams ``gram_sharing: input`` pools."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = []
+    for module_name, module in model.named_modules():
+        if layouts.get(f"{module_name}.weight") in ("out_in", "in_out"):  # not an expert stack
+
+            def record(_module, inputs, _output, name=f"{module_name}.weight"):
+                seen.setdefault(name, inputs[0].detach().clone())
+
+            hooks.append(module.register_forward_hook(record))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 5, 9, 12, 3]]))
+    for hook in hooks:
+        hook.remove()
+    parent = lambda name: name.rsplit(".", 2)[0]  # noqa: E731
+    return {
+        name: tuple(
+            other for other in seen if parent(other) == parent(name) and torch.equal(seen[other], seen[name])
+        )
+        for name in seen
+    }
 
 
 def expected_merge(family, model_type: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     base = load(family.base, model_type)
     layouts = solved_layouts(base)
+    readers = shared_inputs(base, layouts)
     pre = base.state_dict()
     experts = [load(path, model_type).state_dict() for path in family.experts]
+
+    def oriented(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        vector = state[name].double() - pre[name].double()
+        return vector.T if layouts[name].endswith("in_out") else vector
+
     expected = {}
     for name, w_pre in pre.items():
         w_pre = w_pre.double()
@@ -86,8 +108,11 @@ def expected_merge(family, model_type: str) -> tuple[dict[str, torch.Tensor], di
         for index in range(len(anchor) if stacked else 1):
             matrices = [flip(v[index] if stacked else v) for v in vectors]
             prior = flip(anchor[index] if stacked else anchor)
-            rows = logical_rows(name, base.config, prior.shape[0])
-            parts.append(flip(solve_rows(matrices, prior, rows)))
+            grams = [m.T @ m for m in matrices]  # a fused weight's parts pool their rows
+            if name in readers:
+                grams = [sum((u := oriented(e, other)).T @ u for other in readers[name]) for e in experts]
+            gram, cross = sum(grams), sum(m @ g for m, g in zip(matrices, grams))
+            parts.append(flip(ridge_solve(gram, cross, prior, LAMBDA)))
         expected[name] = w_pre + (torch.stack(parts) if stacked else parts[0])
     return expected, layouts
 
@@ -254,6 +279,6 @@ def test_a_search_over_a_moe_scores_resident_trials_as_merged_folders(families, 
         options = SearchOptions(progress=False, device="cpu", plots=False, skip_best=True)
         results[trials] = run_search(parse_search_config(config, tests), tmp_path / trials, options)
     assert results["memory"].summary.trials == "memory"
-    # per layer: q, k, v, o; each of 4 experts' gate and up (own Grams), and its down
-    assert results["memory"].summary.memory_plan["solved"] == 2 * (4 + 4 * 2 + 4)
+    # per layer: q, k, v, o; each of 4 experts' fused gate_up (one Gram: they read one input), its down
+    assert results["memory"].summary.memory_plan["solved"] == 2 * (4 + 4 + 4)
     assert [r.per_task for r in results["memory"].records] == [r.per_task for r in results["disk"].records]

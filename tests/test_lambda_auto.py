@@ -45,13 +45,26 @@ def _solved(weights: dict[str, torch.Tensor]) -> list[str]:
     return [name for name, t in weights.items() if t.ndim == 2 and classify(name, "llama")]
 
 
-def _log_evidence(vectors, anchor, lam: float) -> float:
-    """float64 log p(Y | λ) with σ² at its maximiser, data-free (X_t = U_tᵀ), every row at once."""
-    x = torch.cat([u.T for u in vectors], dim=1)
+READ_TOGETHER = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _inputs(experts, base, name: str) -> list[torch.Tensor]:
+    """Each task's data-free observations of ``name``'s input under the default ``gram_sharing:
+    input``: ``X_t = [U_t^pᵀ]`` over the weights that read it (q/k/v, gate/up), else ``U_tᵀ``."""
+    module, projection = name.rsplit(".", 2)[0], name.split(".")[-2]
+    group = next((g for g in READ_TOGETHER if projection in g), (projection,))
+    names = [f"{module}.{p}.weight" for p in group]
+    return [torch.cat([(e[n].double() - base[n].double()).T for n in names], dim=1) for e in experts]
+
+
+def _log_evidence(vectors, anchor, lam: float, inputs) -> float:
+    """float64 log p(Y | λ) with σ² at its maximiser, data-free (``inputs``: each task's ``X_t``),
+    every row at once."""
+    x = torch.cat(inputs, dim=1)
     gram = x @ x.T
     ridge = lam * float(gram.trace()) / gram.shape[0]
     n, rows = x.shape[1], anchor.shape[0]
-    residual = torch.cat([(u - anchor) @ u.T for u in vectors], dim=1)
+    residual = torch.cat([(u - anchor) @ x_t for u, x_t in zip(vectors, inputs)], dim=1)
     covariance = torch.eye(n, dtype=F64) + x.T @ x / ridge
     quadratic = float((residual @ torch.linalg.solve(covariance, residual.T)).trace())
     log_det = float(torch.linalg.slogdet(covariance)[1])
@@ -73,11 +86,12 @@ def test_each_weight_is_solved_at_the_lambda_its_evidence_maximises(family, tmp_
         chosen = record.lambda_auto[name]
         lam = chosen["lambda"]
         assert chosen["interval"][0] <= lam <= chosen["interval"][1]
-        expected = reference_solve(vectors, anchor, lam)
+        inputs = _inputs(experts, base, name)
+        expected = reference_solve(vectors, anchor, lam, [x @ x.T for x in inputs])
         assert relative_error(merged[name].double() - base[name].double(), expected) < 1e-5, name
         if index < 2:  # the choice itself, against a scan of the likelihood (two weights: it is slow)
             grid = torch.logspace(-4, 4, 161, dtype=F64).tolist()
-            best = max(grid, key=lambda value: _log_evidence(vectors, anchor, value))
+            best = max(grid, key=lambda value: _log_evidence(vectors, anchor, value, inputs))
             assert abs(math.log10(lam) - math.log10(best)) <= 0.026, (name, lam, best)
     card = (out / "README.md").read_text()
     assert "λ chosen by the evidence" in card and "| mlp_in |" in card

@@ -65,26 +65,43 @@ def _recipe(base, adapters, stats, **parameters) -> str:
     )
 
 
-def _expected(base, adapters, stats, name: str, gram: str, lam: float = 0.05) -> torch.Tensor:
+def _free_equations(adapters, name: str, sharing: str) -> normal_equations.NormalEquations:
+    """The data-free part: each weight its own rows (``weight``), or q's and v's adapters pooled, the
+    weights of one input that the adapters touch (``input``, the default)."""
+    vectors = _exact_updates(adapters, name.removesuffix(".weight"))
+    if sharing == "weight" or "self_attn" not in name:
+        return normal_equations.data_free_equations(vectors, F64)
+    attention = name.rsplit(".", 2)[0]
+    parts = [_exact_updates(adapters, f"{attention}.{p}") for p in ("q_proj", "v_proj")]
+    pooled = [q.T @ q + v.T @ v for q, v in zip(*parts)]
+    return normal_equations.pooled_equations(vectors, pooled, 1, F64)
+
+
+def _expected(
+    base, adapters, stats, name: str, gram: str, lam: float = 0.05, sharing: str = "input"
+) -> torch.Tensor:
     vectors = _exact_updates(adapters, name.removesuffix(".weight"))
     grams = stored_grams(stats)
     task_grams = [grams[f"{base}+{adapter}"][name].double() for adapter in adapters]
     few = normal_equations.activation_equations(vectors, task_grams, F64)
     if gram == "mix":
-        few = normal_equations.mix_equations(few, normal_equations.data_free_equations(vectors, F64), 0.5)
+        few = normal_equations.mix_equations(few, _free_equations(adapters, name, sharing), 0.5)
     return closed_form.merge_matrix(few, 0.3 * sum(vectors), lam)
 
 
-@pytest.mark.parametrize("gram", ["activations", "mix"])
-def test_each_weight_is_the_float64_closed_form_of_the_adapters_and_their_grams(lora_stats, tmp_path, gram):
+@pytest.mark.parametrize(("gram", "sharing"), [("activations", "input"), ("mix", "input"), ("mix", "weight")])
+def test_each_weight_is_the_float64_closed_form_of_the_adapters_and_their_grams(
+    lora_stats, tmp_path, gram, sharing
+):
     base, adapters, stats = lora_stats
     out = tmp_path / "merged"
-    merge_recipe_text(_recipe(base, adapters, stats, gram=gram, epsilon=0.5, compute_dtype="float64"), out)
+    parameters = {"gram": gram, "epsilon": 0.5, "compute_dtype": "float64", "gram_sharing": sharing}
+    merge_recipe_text(_recipe(base, adapters, stats, **parameters), out)
     merged, pre = load_weights(out), load_weights(base)
     solved = [n for n in pre if n.endswith(".weight") and any(t in n for t in TARGETS)]
     assert sorted(read_record(out).low_rank) == sorted(solved)  # the route, not the dense copies
     for name in solved:
-        expected = _expected(base, adapters, stats, name, gram)
+        expected = _expected(base, adapters, stats, name, gram, sharing=sharing)
         assert relative_error(merged[name].double() - pre[name].double(), expected) < 1e-6, name
         delta = merged[name].double() - pre[name].double()  # rank ≤ Σ r_t, up to float32 storage
         assert torch.linalg.matrix_rank(delta, rtol=1e-4) <= 2 + 3 + 4

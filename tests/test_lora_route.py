@@ -36,6 +36,10 @@ def lora_cache(tmp_path, monkeypatch):
 
 
 def _recipe(base, adapters, **parameters) -> str:
+    """A recipe over the adapters; ``gram_sharing: weight`` unless given (most references here are one
+    weight's own closed form; the default ``input`` pools q's and v's adapters, tested on its own);
+    a parameter given as None is left out (bmm's default)."""
+    parameters = {k: v for k, v in {"gram_sharing": "weight", **parameters}.items() if v is not None}
     return yaml.safe_dump(
         {
             "merge_method": "bmm",
@@ -83,12 +87,12 @@ def test_each_lora_weight_is_the_float64_closed_form_of_the_exact_updates(
     assert record.low_rank == dict.fromkeys(solved, 2 + 3 + 4)  # the route taken: a rank-9 subspace
 
 
-def test_under_gram_sharing_input_each_weight_pools_its_siblings_adapters(lora_family, tmp_path):
+def test_under_the_default_gram_sharing_each_weight_pools_its_siblings_adapters(lora_family, tmp_path):
     """q and v (adapted) and k (not) read one input: each is solved on the low-rank route with the
     Gram their adapters pool, as the float64 closed form of the exact updates says; cached too."""
     base, adapters = lora_family
     for label, extra in (("direct", {}), ("cached", {"cache": str(tmp_path / "factors")})):
-        merge_recipe_text(_recipe(base, adapters, gram_sharing="input", **extra), tmp_path / label)
+        merge_recipe_text(_recipe(base, adapters, gram_sharing=None, **extra), tmp_path / label)
     pre = load_weights(base)
     rank = 2 * (2 + 3 + 4)  # q's and v's adapters span the input's subspace together
     for label in ("direct", "cached"):
@@ -161,7 +165,8 @@ def test_a_task_arithmetic_anchor_without_weights_is_one_line(lora_family, tmp_p
     assert "\n" not in str(info.value)
 
 
-def test_the_full_route_the_cache_and_lambda_auto_agree_with_it(lora_family, tmp_path):
+@pytest.mark.parametrize("sharing", ["input", "weight"])
+def test_the_full_route_the_cache_and_lambda_auto_agree_with_it(lora_family, tmp_path, sharing):
     base, adapters = lora_family
     runs = {
         "low_rank": {},
@@ -171,7 +176,7 @@ def test_the_full_route_the_cache_and_lambda_auto_agree_with_it(lora_family, tmp
     }
     merged = {}
     for label, parameters in runs.items():
-        merge_recipe_text(_recipe(base, adapters, **parameters), tmp_path / label)
+        merge_recipe_text(_recipe(base, adapters, gram_sharing=sharing, **parameters), tmp_path / label)
         merged[label] = load_weights(tmp_path / label)
     names = [n for n in merged["low_rank"] if any(t in n for t in TARGETS) and n.endswith(".weight")]
     assert read_record(tmp_path / "full").low_rank == {}  # `low_rank: false`: the full route
@@ -183,12 +188,16 @@ def test_the_full_route_the_cache_and_lambda_auto_agree_with_it(lora_family, tmp
         assert torch.equal(merged["cached again"][name], merged["cached"][name])
     from safetensors import safe_open
 
-    for entry in (tmp_path / "factors").glob("*.safetensors"):  # the anchor as k = 9 coordinates
+    ranks = {9, 18} if sharing == "input" else {9}  # q's and v's adapters span one input's basis together
+    for entry in (tmp_path / "factors").glob("*.safetensors"):  # the anchor as k coordinates
         with safe_open(str(entry), framework="pt") as handle:
-            assert "anchor" not in handle.keys() and handle.get_slice("anchor_in_basis").get_shape()[1] == 9
+            assert (
+                "anchor" not in handle.keys() and handle.get_slice("anchor_in_basis").get_shape()[1] in ranks
+            )
     for label in ("auto", "auto cached"):
         extra = {"cache": str(tmp_path / "factors")} if label == "auto cached" else {}
-        merge_recipe_text(_recipe(base, adapters, **{"lambda": "auto", **extra}), tmp_path / label)
+        recipe = _recipe(base, adapters, gram_sharing=sharing, **{"lambda": "auto", **extra})
+        merge_recipe_text(recipe, tmp_path / label)
     chosen = {label: read_record(tmp_path / label).lambda_auto for label in ("auto", "auto cached")}
     assert sorted(chosen["auto"]) == sorted(names)
     for name in names:

@@ -414,6 +414,39 @@ def test_eval_anchor_over_a_regmean_anchor_reads_the_statistics(family, tmp_path
     assert summary["anchor_score"] is not None and all(r.ok for r in result.records)
 
 
+def test_a_search_begun_under_the_earlier_gram_sharing_default_resumes_once_its_template_states_it(
+    family, tmp_path, monkeypatch
+):
+    """``gram_sharing`` defaulted to ``weight``: a search whose template left it out merged with it, so
+    it is refused with the line that resumes it, and resumes once the template says ``weight``; a
+    template that stated ``weight`` keeps its experiment."""
+    from mergekit_bmm.errors import OutputFolderError
+    from mergekit_bmm.search import experiment
+
+    evaluator = python_evaluator("per_task_scores")
+    options = quiet(skip_best=True, plots=False)
+
+    def search(out: Path, budget: int, sharing: str | None = None):
+        data = config_dict(family, evaluator, strategy="random", budget=budget, anchor_start=False)
+        if sharing is not None:
+            data["recipe"]["parameters"]["gram_sharing"] = sharing
+        return run_search(parse_search_config(data, TESTS), out, options)
+
+    with monkeypatch.context() as patch:  # hashed as before the default changed
+        patch.setattr(experiment, "keyed_recipe", lambda recipe: recipe)
+        patch.setattr(experiment, "relies_on_changed_default", lambda recipe: False)
+        search(tmp_path / "left out", 1)
+        search(tmp_path / "stated", 1, sharing="weight")
+    with pytest.raises(
+        OutputFolderError, match=r"defaulted to `weight`.* add `gram_sharing: weight`"
+    ) as info:
+        search(tmp_path / "left out", 2)
+    assert "\n" not in str(info.value)
+    for folder in ("left out", "stated"):
+        resumed = search(tmp_path / folder, 2, sharing="weight")
+        assert resumed.replayed == 1 and len(read_records(tmp_path / folder)) == 2
+
+
 def test_out_folder_of_another_experiment_is_protected(family, tmp_path):
     from mergekit_bmm.errors import OutputFolderError
 

@@ -20,7 +20,14 @@ from bench.merging.encoder import load_encoder
 from bench.merging.merging import recipe_key
 from bench.merging.model_scores import evaluator_block, merge_and_score, search_evaluator
 from bench.merging.scoring import mean, score_model
-from bench.merging.searches import bmm_template, collect_stats, run_search, search_config, seed_record
+from bench.merging.searches import (
+    bmm_template,
+    collect_stats,
+    keyed_search,
+    run_search,
+    search_config,
+    seed_record,
+)
 from mergekit_bmm.errors import ConfigError
 from mergekit_bmm.search.config import default_box, recipe_gram
 
@@ -47,16 +54,22 @@ def ensure_stats(config: RunConfig, cache_dir: Path, art: Artifacts, results) ->
     say(f"stats     {config.stats.max_samples} sequences per task -> {art.stats} ({seconds} s)")
 
 
+def cell_template(config: RunConfig, art: Artifacts, anchor: str, setting: str) -> dict[str, Any]:
+    """The bmm recipe of one cell (``anchor``, ``setting``) over every task's expert."""
+    experts = [art.experts[task.name] for task in art.tasks.values()]
+    anchor_dir = anchor_folder(anchor, art)
+    return bmm_template(art.encoder, experts, anchor_dir, setting, art.stats, config.gram_sharing)
+
+
 def sweeps_stage(config: RunConfig, cache_dir: Path, art: Artifacts, results, folder: Path) -> None:
     """Validation along one λ group or s at a time (bench/merging/sweeps.py), data-free and data-assisted."""
     from bench.merging.sweeps import run_sweeps
 
     spec = config.sweeps
-    experts = [art.experts[task.name] for task in art.tasks.values()]
     ensure_stats(config, cache_dir, art, {"timings": {}})
     searches = {}
     for setting in spec.settings:
-        template = bmm_template(art.encoder, experts, anchor_folder(spec.anchor, art), setting, art.stats)
+        template = cell_template(config, art, spec.anchor, setting)
         searches[setting] = sweep_search(config, art, template)
     anchor_row = report.find_row(results, spec.anchor) if spec.anchor != "pretrained" else None
     anchor_validation = anchor_row["validation_avg"] if anchor_row else None
@@ -91,12 +104,11 @@ def balance_sweeps_stage(config: RunConfig, art: Artifacts, results, cache_dir: 
     from bench.merging.sweeps import run_balance_sweeps
 
     spec = config.sweeps
-    experts = [art.experts[task.name] for task in art.tasks.values()]
     searches = {}
     for anchor in spec.balance_anchors:
         for setting in spec.balance_settings:
             for balance in spec.balances:
-                template = bmm_template(art.encoder, experts, anchor_folder(anchor, art), setting, art.stats)
+                template = cell_template(config, art, anchor, setting)
                 if balance != "none":  # today's Gram: the parameter unset, as a user's recipe has it
                     template["parameters"]["task_balance"] = balance
                 searches[(anchor, setting, balance)] = sweep_search(config, art, template)
@@ -114,11 +126,10 @@ def anchor_folder(name: str, art: Artifacts) -> Path | None:
 
 
 def search_folder(config: RunConfig, cache_dir: Path, label: str, search: dict[str, Any]) -> Path:
-    # the budget is left out: a larger budget extends the same search (it resumes); the default
-    # box is in: a search left to the defaults is another search when they change
+    # the default box is in: a search left to the defaults is another search when they change
     key = stable_key(
         {
-            "search": {k: v for k, v in search.items() if k != "budget"},
+            "search": keyed_search(search),
             "limits": limits(config),
             "default_box": default_box(recipe_gram(search["recipe"])),
         }
@@ -142,10 +153,9 @@ def one_search(
     changes the main searches' blocks, budget or task balance; ``label_free`` scores its trials with
     no labels (the benchmark still scores its best model on validation and test)."""
     tasks = list(art.tasks.values())
-    experts = [art.experts[task.name] for task in tasks]
     if setting == "data_assisted":
         ensure_stats(config, cache_dir, art, {"timings": {}})
-    template = bmm_template(art.encoder, experts, anchor_folder(anchor, art), setting, art.stats)
+    template = cell_template(config, art, anchor, setting)
     spec = config.search
     if variant is not None:
         changes = {"blocks": variant.blocks, "budget": variant.budget, "n_initial": variant.n_initial}
@@ -282,8 +292,7 @@ def bmm_defaults(
     """BMM at its defaults over ``anchor``: the search's recipe with no λ or s (one merge, no trials);
     with ``parameters``, at those instead (a proposed default)."""
     tasks = list(art.tasks.values())
-    experts = [art.experts[task.name] for task in tasks]
-    recipe = bmm_template(art.encoder, experts, anchor_folder(anchor, art), setting, art.stats)
+    recipe = cell_template(config, art, anchor, setting)
     recipe["parameters"].update(parameters or {})
     jobs = [(t, s) for t in tasks for s in ("validation", "test")]
     work = cache_dir / "merges" / "work"

@@ -280,7 +280,7 @@ class VariantSpec(_Strict):
     n_initial: int | None = Field(default=None, ge=1)
     task_balance: Balance | None = Field(default=None, description="bmm's `task_balance` (None: not set)")
     gram_sharing: Literal["weight", "input"] | None = Field(
-        default=None, description="bmm's `gram_sharing` (None: not set)"
+        default=None, description="bmm's `gram_sharing` (None: the run's)"
     )
     seeds: list[int] = Field(default=[0], min_length=1)
     against: str | None = Field(
@@ -415,6 +415,11 @@ class RunConfig(_Strict):
     ablation: AblationSpec = Field(default_factory=AblationSpec)
     variants: list[VariantSpec] = Field(default_factory=list)
     language: LanguageSpec = Field(default_factory=LanguageSpec)
+    gram_sharing: Literal["weight", "input"] | None = Field(
+        default=None,
+        description="bmm's `gram_sharing` in every BMM cell's recipe (None: bmm's default); a variant or a "
+        "default candidate that sets it overrides it",
+    )
     device: Literal["cpu", "cuda", "auto"] = Field(
         default="cpu",
         description="where experts train, models score, merges and searches run (auto: the GPU if any)",

@@ -40,11 +40,14 @@ def _fingerprinted(value: Any) -> Any:
 
 
 def recipe_key(recipe: dict[str, Any]) -> str:
-    """``merge:<hash>`` of the recipe with model folders replaced by their fingerprints."""
+    """``merge:<hash>`` of the recipe with model folders replaced by their fingerprints, and bmm's
+    changed defaults written out (a recipe that relied on an old default made another model)."""
     import importlib.metadata
 
+    from mergekit_bmm.recipes.changed_defaults import keyed_recipe
+
     version = importlib.metadata.version("mergekit")
-    return "merge:" + stable_key({"recipe": _fingerprinted(recipe), "mergekit": version}, 24)
+    return "merge:" + stable_key({"recipe": _fingerprinted(keyed_recipe(recipe)), "mergekit": version}, 24)
 
 
 def chooses_lambda(recipe: dict[str, Any]) -> bool:

@@ -29,6 +29,15 @@ from mergekit_bmm.errors import ConfigError
 SETTING_GRAM = {"data_free": "data_free", "data_assisted": "activations", "mix": "mix"}
 
 
+def keyed_search(search: dict[str, Any], budget: bool = False) -> dict[str, Any]:
+    """A search config as a folder's key sees it: bmm's changed defaults written into its recipe (a
+    search that relied on an old default is another search), without the budget unless asked (a
+    larger budget extends the same search: it resumes)."""
+    from mergekit_bmm.recipes.changed_defaults import keyed_recipe
+
+    return {k: keyed_recipe(v) if k == "recipe" else v for k, v in search.items() if budget or k != "budget"}
+
+
 def _run(command: str, args: list[str], log: Path) -> None:
     """Run one of the project's console commands in this process (no interpreter start-up).
 
@@ -90,11 +99,19 @@ def collect_stats(
 
 
 def bmm_template(
-    base: Path, experts: list[Path], anchor: Path | None, setting: str, stats: Path | None
+    base: Path,
+    experts: list[Path],
+    anchor: Path | None,
+    setting: str,
+    stats: Path | None,
+    gram_sharing: str | None = None,
 ) -> dict[str, Any]:
-    """The bmm recipe a search tunes: the experts, the anchor (a kept folder, or pretrained)."""
+    """The bmm recipe a search tunes: the experts, the anchor (a kept folder, or pretrained);
+    ``gram_sharing`` stated where the run sets it (None: bmm's default)."""
     models: list[dict[str, Any]] = [{"model": str(path)} for path in experts]
     parameters: dict[str, Any] = {"gram": SETTING_GRAM[setting]}
+    if gram_sharing is not None:
+        parameters["gram_sharing"] = gram_sharing
     if anchor is None:
         parameters["anchor_method"] = "pretrained"
     else:

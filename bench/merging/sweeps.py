@@ -23,6 +23,7 @@ from bench.merging import device
 from bench.merging.cache import read_json, stable_key, write_json
 from bench.merging.config import SweepSpec
 from bench.merging.report.plots import _pyplot, _save, drawn_once
+from bench.merging.searches import keyed_search
 from mergekit_bmm.core.module_map import GROUP_NAMES
 
 SETTING_LABELS = {"data_free": "data-free", "data_assisted": "data-assisted"}
@@ -149,7 +150,7 @@ def run_sweeps(
 
 def _sweep_settings(spec: SweepSpec, searches: dict[str, dict[str, Any]], cache_dir: Path, out) -> None:
     for setting, search in searches.items():
-        key = stable_key({"spec": spec.model_dump(exclude={"threads"}), "search": search})
+        key = stable_key({"spec": spec.model_dump(exclude={"threads"}), "search": keyed_search(search, True)})
         path = cache_dir / "sweeps" / f"{spec.anchor}-{setting}-{key}.json"
         if path.is_file():
             out["settings"][setting] = read_json(path)
@@ -224,7 +225,12 @@ def run_balance_sweeps(
         for (anchor, setting, balance), search in searches.items():
             grid = {"lambdas": spec.lambdas, "scales": spec.scales, "reference": spec.reference_lambda}
             key = stable_key(
-                {"kind": "balance", "grid": grid, "scale": spec.reference_scale, "search": search}
+                {
+                    "kind": "balance",
+                    "grid": grid,
+                    "scale": spec.reference_scale,
+                    "search": keyed_search(search, True),
+                }
             )
             path = cache_dir / "sweeps" / f"balance-{anchor}-{setting}-{balance}-{key}.json"
             if path.is_file():

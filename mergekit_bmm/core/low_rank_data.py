@@ -91,6 +91,20 @@ def data_free_factored(updates: Sequence[LowRankUpdate], dtype: torch.dtype) -> 
     return FactoredEquations(gram, _stacked_left(updates, dtype), torch.cat(rows, dim=0))
 
 
+def pooled_free_factored(
+    updates: Sequence[LowRankUpdate], siblings: Sequence[LowRankUpdate], experts: int, dtype: torch.dtype
+) -> FactoredEquations:
+    """Data-free equations with each task's Gram pooled over the weights that read the input
+    (``gram_sharing: input``): ``G_t = Σ_p A_pᵀ(B_pᵀB_p)A_p`` over this weight's and its ``siblings'``
+    factors, ``G = Σ G_t`` and ``Z_t = A_t G_t`` (the activation form with these Grams)."""
+    d_in = updates[0].right.shape[1]
+    grams = [torch.zeros(d_in, d_in, dtype=dtype, device=updates[0].right.device) for _ in range(experts)]
+    for update in (*updates, *siblings):
+        b, a = update.left.to(dtype), update.right.to(dtype)
+        grams[update.expert] += a.T @ ((b.T @ b) @ a)
+    return activation_factored(updates, grams, dtype)
+
+
 def mix_factored(few: FactoredEquations, free: FactoredEquations, epsilon: float) -> FactoredEquations:
     """``ε·few + (1 − ε)·free``, each over its Gram's mean eigenvalue (as ``mix_equations``)."""
     few = few.scaled(1.0 / _mean_eigenvalue(few.gram))

@@ -73,12 +73,15 @@ RULES: tuple[GroupRule, ...] = (
     GroupRule("self_attention.dense", _A_OUT),  # Falcon
     GroupRule("attention.dense", _A_OUT),  # GPT-NeoX
     GroupRule("attention.wo", _A_OUT),  # InternLM2
+    GroupRule("attention.out_proj", _A_OUT),  # EXAONE
+    GroupRule("self_attn.dense", _A_OUT),  # Phi-1/2
     # attention input (q/k/v, fused or not)
     GroupRule("self_attn", _A_IN),
     GroupRule("attention.self", _A_IN),  # BERT
     GroupRule("attn.c_attn", _A_IN, in_out=True),  # GPT-2
     GroupRule("query_key_value", _A_IN),  # Falcon, GPT-NeoX
     GroupRule("attention.wqkv", _A_IN),  # InternLM2
+    GroupRule("attn.attention", _A_IN),  # EXAONE
     # MLP output
     GroupRule("down_proj", _M_OUT),
     GroupRule("mlp.c_proj", _M_OUT, in_out=True),  # GPT-2

@@ -148,3 +148,30 @@ def weight_shapes_of(reference: str | Path) -> dict[str, tuple[int, ...]]:
             for name in handle.keys():
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
+
+
+def layout_shapes_of(reference: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes as transformers lays the model out, which are the names mergekit
+    merges where a checkpoint was saved under older names or with per-expert weights (mergekit
+    converts them on load); empty where transformers cannot build the model."""
+    folder = local_model_dir(reference)
+    path = folder / "config.json"
+    try:
+        return _layout_shapes(str(folder), path.stat().st_mtime_ns)
+    except OSError:
+        return {}
+
+
+@lru_cache(maxsize=8)
+def _layout_shapes(path: str, stamp: int) -> dict[str, tuple[int, ...]]:
+    import torch
+    import transformers
+
+    config = _config(path, stamp)
+    try:
+        model_class = getattr(transformers, (config.architectures or [""])[0])
+        with torch.device("meta"):
+            model = model_class._from_config(config)
+    except Exception:  # an architecture this transformers cannot build: the checkpoint's names only
+        return {}
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}

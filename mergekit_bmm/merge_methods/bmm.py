@@ -264,8 +264,11 @@ class _Solve:
         if not updates:
             return None if updates is None else ([], None)
         d_in = self.orient(self.base).shape[1]
+        siblings = ()  # mix under gram_sharing: input: their rows join each data-free G_t
+        if self.siblings and self.settings.gram == "mix":
+            siblings = sibling_updates(self.group, self.tasks, self.siblings)
         return updates, factored_equations(
-            self.settings, self.name, self.tasks, updates, d_in, self.base.device
+            self.settings, self.name, self.tasks, updates, d_in, self.base.device, siblings
         )
 
     def _direct_low_rank_data(

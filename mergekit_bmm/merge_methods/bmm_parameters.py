@@ -101,9 +101,9 @@ def own_parameters() -> tuple[ParameterSpec, ...]:
             "gram_sharing",
             Literal["weight", "input"],
             shared,
-            default="weight",
-            description="data-free Gram per weight (weight) or pooled over the weights that read one "
-            "input, q/k/v and gate/up (input)",
+            default="input",
+            description="data-free Gram pooled over the weights that read one input, q/k/v and "
+            "gate/up (input), or one per weight (weight, the earlier default)",
         ),
         CheckedParameter(
             "stats", str | None, shared, default=None, description="path to a statistics directory"
@@ -231,7 +231,7 @@ class BMMSettings:
     cache: str | None = None
     cache_dtype: torch.dtype | None = None  # None: chosen per factor (methods/factor_precision.py)
     low_rank: bool = True  # LoRA experts through their T·r subspace (mergekit_bmm.core.low_rank)
-    gram_sharing: str = "weight"  # "input": one data-free Gram for the weights that read one input
+    gram_sharing: str = "input"  # one data-free Gram per input (q/k/v, gate/up); "weight": one per weight
     low_rank_rows: str = "any"  # "adapters": LoRA data route with rows in the span of the A_t
 
     @property
@@ -261,7 +261,7 @@ class BMMSettings:
             cache=parameters.get("cache") or None,
             cache_dtype=_cache_dtype(parameters.get("cache_dtype"), parameters["compute_dtype"]),
             low_rank=parameters.get("low_rank", True) is not False,
-            gram_sharing=parameters.get("gram_sharing") or "weight",
+            gram_sharing=parameters.get("gram_sharing") or "input",
             low_rank_rows=parameters.get("low_rank_rows") or "any",
         )
         if settings.gram in ("activations", "mix") and not settings.stats:

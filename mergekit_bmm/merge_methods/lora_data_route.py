@@ -22,6 +22,7 @@ from mergekit_bmm.core.low_rank_data import (
     activation_factored,
     data_free_factored,
     mix_factored,
+    pooled_free_factored,
     solve_in_input_span,
 )
 from mergekit_bmm.core.normal_equations import NormalEquations
@@ -42,8 +43,11 @@ def factored_equations(
     updates: Sequence[LowRankUpdate],
     d_in: int,
     device: torch.device,
+    siblings: Sequence[LowRankUpdate] = (),
 ) -> FactoredEquations:
-    """``G`` and ``C = B Z`` for the recipe's data-assisted Gram mode, from the adapters' factors."""
+    """``G`` and ``C = B Z`` for the recipe's data-assisted Gram mode, from the adapters' factors;
+    ``siblings``: the factors of the weights that read the same input, whose rows join the data-free
+    part of ``mix`` (``gram_sharing: input``)."""
     from mergekit_bmm.stats.store import activation_grams_for
 
     dtype = settings.compute_dtype
@@ -53,7 +57,12 @@ def factored_equations(
     few = activation_factored(updates, [g.to(device) for g in grams], dtype)
     if settings.gram == "activations":
         return few
-    return mix_factored(few, data_free_factored(updates, dtype), settings.epsilon)
+    if settings.gram_sharing == "input":
+        siblings = [LowRankUpdate(u.left.to(device), u.right.to(device), u.expert) for u in siblings]
+        free = pooled_free_factored(updates, siblings, len(tasks), dtype)
+    else:
+        free = data_free_factored(updates, dtype)
+    return mix_factored(few, free, settings.epsilon)
 
 
 def solve_factored(

@@ -51,16 +51,14 @@ def lora_updates(
 
 
 def _applies(settings: BMMSettings, data_assisted: bool) -> bool:
-    """Data-free: either Gram rule (pooled Grams read the siblings' factors, :func:`sibling_updates`);
-    data-assisted: not ``lambda: auto`` (its evidence reads dense equations) and no mix whose data-free
-    part pools other weights; both: plain task weights."""
+    """Data-free and mix: either Gram rule (pooled Grams read the siblings' factors,
+    :func:`sibling_updates`); data-assisted: not ``lambda: auto`` (its evidence reads dense equations);
+    both: plain task weights."""
     if not settings.low_rank or settings.task_balance != "none":
         return False
     if not data_assisted:
         return settings.gram == "data_free"
-    if settings.gram not in ("activations", "mix") or settings.lambda_auto:
-        return False
-    return settings.gram == "activations" or settings.gram_sharing == "weight"
+    return settings.gram in ("activations", "mix") and not settings.lambda_auto
 
 
 def adapter_factors(

@@ -23,6 +23,7 @@ from mergekit_bmm.io.atomic import atomic_write_json
 from mergekit_bmm.io.fingerprint import reference_fingerprint
 from mergekit_bmm.io.hub_models import hub_commit
 from mergekit_bmm.io.model_folder import local_model_dir, model_type_of, weight_names_of, weight_shapes_of
+from mergekit_bmm.recipes.changed_defaults import keyed_recipe, relies_on_changed_default
 from mergekit_bmm.recipes.parse import mergekit_configuration
 from mergekit_bmm.search.config import SearchConfig, canonical_hash, load_template
 from mergekit_bmm.search.space import SearchSpace, TrialRecipes
@@ -38,6 +39,16 @@ class Experiment:
     hash: str
     recipes: TrialRecipes
     not_searched: dict[str, Any]  # what the search does not tune (the summary and report list it)
+    # hashes made before a default changed (:mod:`~mergekit_bmm.recipes.changed_defaults`): the same
+    # experiment's (its template states the old value: it resumes), or another merge's (it relied on
+    # the old default: refused with the line that resumes it)
+    same_before: str | None = None
+    former_hash: str | None = None
+
+    @property
+    def accepted_hashes(self) -> tuple[str, ...]:
+        """The recorded hashes under which this experiment resumes."""
+        return (self.hash,) if self.same_before is None else (self.hash, self.same_before)
 
     @property
     def base_model(self) -> str:
@@ -54,14 +65,12 @@ def prepare_experiment(config: SearchConfig, cache_dir: Path | None) -> Experime
     weight_names = weight_names_of(base)
     space = SearchSpace.from_config(config, template, weight_names)
     models = [base] + [str(item["model"]) for item in template["models"]]
-    definition = {
-        "search": config.experiment_key(),
-        "recipe": template,
-        "models": {path: reference_fingerprint(path) for path in models},
-    }
-    revisions = {path: commit for path in models if (commit := hub_commit(path))}
-    if revisions:  # Hub ids: the commits searched over (local folders: their fingerprints say it all)
-        definition["revisions"] = revisions
+    inputs = inputs_of(models)
+    definition = definition_of(config, template, inputs, keyed=True)
+    experiment_hash = canonical_hash(definition)
+    before = canonical_hash(definition_of(config, template, inputs, keyed=False))
+    before = None if before == experiment_hash else before
+    relies = relies_on_changed_default(template)
     recipes = TrialRecipes(template, space, weight_names, cache_dir)
     _check_with_mergekit(recipes, space)
     return Experiment(
@@ -70,10 +79,34 @@ def prepare_experiment(config: SearchConfig, cache_dir: Path | None) -> Experime
         weight_names,
         space,
         definition,
-        canonical_hash(definition),
+        experiment_hash,
         recipes,
         not_searched_of(base, weight_names, space),
+        same_before=None if relies else before,
+        former_hash=before if relies else None,
     )
+
+
+def inputs_of(models: list[str]) -> dict[str, Any]:
+    """The input models' fingerprints, and for Hub ids the commits searched over (local folders:
+    their fingerprints say it all)."""
+    inputs: dict[str, Any] = {"models": {path: reference_fingerprint(path) for path in models}}
+    revisions = {path: commit for path in models if (commit := hub_commit(path))}
+    if revisions:
+        inputs["revisions"] = revisions
+    return inputs
+
+
+def definition_of(
+    config: SearchConfig, template: dict[str, Any], inputs: dict[str, Any], keyed: bool
+) -> dict[str, Any]:
+    """What the experiment hash covers (``inputs``: the models' fingerprints and Hub commits);
+    ``keyed``: with the defaults the template relies on written out
+    (:mod:`~mergekit_bmm.recipes.changed_defaults`), else as hashed before they changed."""
+    search = config.experiment_key()
+    if keyed and isinstance(search.get("recipe"), dict):  # an inline template
+        search["recipe"] = keyed_recipe(search["recipe"])
+    return {"search": search, "recipe": keyed_recipe(template) if keyed else template, **inputs}
 
 
 def not_searched_of(base: str, weight_names: list[str], space: SearchSpace) -> dict[str, Any]:
@@ -164,6 +197,16 @@ class RunFolder:
             ) from None
         self._lock = lock
 
+    def claim(self, experiment: Experiment, force: bool, must_exist: bool) -> bool:
+        """:meth:`lock` and :meth:`prepare`; a refused folder is unlocked again (free for the next
+        command in this process). True when a run is being resumed."""
+        self.lock()
+        try:
+            return self.prepare(experiment, force, must_exist)
+        except Exception:
+            self.unlock()
+            raise
+
     def unlock(self) -> None:
         if self._lock is not None:
             self._lock.release()
@@ -183,7 +226,7 @@ class RunFolder:
         owned = set(self.OWNED_FILES) | set(self.OWNED_DIRS) | {LOCK_FILE}
         return any(item.name not in owned and not item.name.startswith(".") for item in self.root.iterdir())
 
-    def prepare(self, experiment_hash: str, force: bool, must_exist: bool) -> bool:
+    def prepare(self, experiment: Experiment, force: bool, must_exist: bool) -> bool:
         """Check (and with ``force``, clear) the folder; True when a run is being resumed."""
         recorded = self.recorded_hash()
         if must_exist and recorded is None:
@@ -191,8 +234,14 @@ class RunFolder:
                 f"--resume: {self.root} holds no search to resume (no experiment.json); "
                 "drop --resume to start one"
             )
-        if recorded == experiment_hash:
+        if recorded in experiment.accepted_hashes:
             return True
+        if recorded is not None and recorded == experiment.former_hash and not force:
+            raise OutputFolderError(
+                f"{self.root} holds a search begun when bmm's `gram_sharing` defaulted to `weight` (now "
+                "`input`); add `gram_sharing: weight` to the template's parameters to resume it, or use a "
+                "new OUT_PATH to search under the new default (docs/recipes.md)"
+            )
         if recorded is not None and not force:
             raise OutputFolderError(
                 f"{self.root} holds a different experiment (another search config, recipe or models); "

@@ -111,8 +111,7 @@ class SearchRun:
 
     def _open_folder(self, experiment: Experiment) -> bool:
         folder = self.folder
-        folder.lock()
-        resumed = folder.prepare(experiment.hash, self.options.force, self.options.resume)
+        resumed = folder.claim(experiment, self.options.force, self.options.resume)
         if not resumed:
             folder.record_experiment(experiment.hash, experiment.definition, experiment.space.initial_ranges)
         atomic_write_text(folder.search_yml, yaml_text(self.config.model_dump(mode="json")))
@@ -146,7 +145,7 @@ class SearchRun:
     def _keep_recorded_box(self) -> None:
         """A search that will resume goes on in the box it began in, even where this version's
         default box differs (read before the optimiser is built on the space)."""
-        if self.folder.recorded_hash() != self.experiment.hash:
+        if self.folder.recorded_hash() not in self.experiment.accepted_hashes:
             return
         space = self.experiment.space
         recorded = self.folder.recorded_box() or {}

@@ -17,7 +17,7 @@ from bench.merging.cache import ScoreCache, stable_key
 from bench.merging.config import RunConfig
 from bench.merging.language.lm_eval_runner import score_lm, summarize
 from bench.merging.merging import recipe_key
-from bench.merging.searches import run_search, search_config
+from bench.merging.searches import keyed_search, run_search, search_config
 
 
 def bmm_models(anchor: str, bmm: dict[str, Any], setting: str = "data_free") -> dict[str, str]:
@@ -106,7 +106,7 @@ def label_free_searches(
             continue
         evaluator = label_free_evaluator(free, tasks, experts, spec.max_length, batch)
         search = search_config(search_spec, template, evaluator, "bo", search_spec.seeds[0])
-        key = stable_key({k: v for k, v in search.items() if k != "budget"})
+        key = stable_key(keyed_search(search))
         folder = cache_dir / "searches" / config.name / f"language-{free.name}-{anchor}-data_free-{key}"
         tqdm.write(f"LM bmm    search over {anchor} with no labels ({free.name}) -> {folder}")
         found = run_search(search, folder, search_spec.threads, search_spec.workers)

@@ -262,14 +262,13 @@ def _bmm_over_anchor(
 ) -> dict[str, Any]:
     """BMM (``setting``) over a kept anchor merge, λ/s from ``mergekit-bmm-search`` with lm-eval."""
     from bench.merging.cache import stable_key
-    from bench.merging.searches import bmm_template, run_search, search_config
+    from bench.merging.searches import bmm_template, keyed_search, run_search, search_config
 
     spec = config.language
     cache = ScoreCache(cache_dir)
     limit, batch = spec.eval_limit, spec.eval_batch_size
-    template = bmm_template(
-        model_dir, experts, anchor_dir, setting, stats if setting != "data_free" else None
-    )
+    stats = stats if setting != "data_free" else None
+    template = bmm_template(model_dir, experts, anchor_dir, setting, stats, config.gram_sharing)
     evaluator = {
         "type": "lm_eval",
         "tasks": [{"name": t.lm_eval_name("validation"), "metric": "acc"} for t in tasks],
@@ -279,7 +278,7 @@ def _bmm_over_anchor(
         "dtype": "float32",
     }
     search = search_config(search_spec, template, evaluator, "bo", search_spec.seeds[0])
-    key = stable_key({k: v for k, v in search.items() if k != "budget"})
+    key = stable_key(keyed_search(search))
     folder = cache_dir / "searches" / config.name / f"language-{anchor}-{setting}-{key}"
     say(f"LM bmm    search over {anchor}, {setting} (K={search_spec.budget}) -> {folder}")
     outcome = run_search(search, folder, search_spec.threads, search_spec.workers)

@@ -123,9 +123,7 @@ def recipe_text(
 ) -> str:
     import yaml
 
-    parameters = {"anchor_method": anchor, "lambda": 0.1, "gram": mode, **extra}
-    if sharing != "weight":
-        parameters["gram_sharing"] = sharing
+    parameters = {"anchor_method": anchor, "lambda": 0.1, "gram": mode, "gram_sharing": sharing, **extra}
     if mode != "data_free":
         parameters["stats"] = str(stats)
     models = [{"model": str(p), "parameters": {"weight": 1 / 3}} for p in paths["experts"]]

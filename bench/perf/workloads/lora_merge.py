@@ -248,7 +248,7 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group | Callable[[], G
     Task Arithmetic of their own rounds; a resident trial last."""
     os.environ["MERGEKIT_BMM_CACHE"] = str(root / "plugin-cache")
     base, adapters = _family(parameters, root)
-    data = {} if parameters["sharing"] == "weight" else {"gram_sharing": parameters["sharing"]}
+    data = {"gram_sharing": parameters["sharing"]}  # stated: the tables' rows name it
     if parameters["gram"] != "data_free":  # data-assisted: C = B·Z from the factors and the Grams
         data |= {"gram": parameters["gram"], "stats": str(lora_stats(root / "models", base, adapters))}
         if parameters["rows"] == "adapters":  # the update's rows kept in the span of the A_t: k × k solves
@@ -309,7 +309,7 @@ def notes(parameters: dict[str, Any]) -> str:
         f"{parameters['experts']} adapters of rank {parameters['rank']} on {where}, float32, "
         f"gram {parameters['gram']}, {parameters['device']}"
         + (", low_rank_rows adapters" if parameters["rows"] == "adapters" else "")
-        + (f", gram_sharing {parameters['sharing']}" if parameters["sharing"] != "weight" else "")
+        + f", gram_sharing {parameters['sharing']}"
     )
 
 
