@@ -159,6 +159,30 @@ def test_bmm_solves_every_architecture_as_a_float64_reference(
     assert torch.isfinite(hidden).all()
 
 
+@pytest.mark.parametrize("model_type", ["llama", "exaone", "mixtral", "qwen3_moe"])
+def test_a_blockwise_lambda_reaches_every_solved_weight(families, model_type, tmp_path, one_torch_thread):
+    """A search writes λ as mergekit filters on module names; they must match the names the merge reads,
+    which differ from the checkpoint's where mergekit converts it (EXAONE saved under its own names,
+    Mixtral's per-expert weights read as stacks). λ → ∞ everywhere must give the anchor exactly."""
+    from conftest import load_weights
+
+    from mergekit_bmm.io.model_folder import num_layers_of
+    from mergekit_bmm.recipes.blockwise import BlockSetting, blockwise_recipe
+
+    family = families(model_type)
+    plain = yaml.safe_load(recipe(family))
+    huge = dict.fromkeys(("attn_in", "attn_out", "mlp_in", "mlp_out"), 1e9)
+    merge_recipe_text(
+        yaml.safe_dump(blockwise_recipe(plain, [BlockSetting(0, num_layers_of(family.base), huge, 1.0)])),
+        tmp_path / "bmm",
+    )
+    anchor = {**plain, "merge_method": "task_arithmetic"}
+    del anchor["parameters"]
+    merge_recipe_text(yaml.safe_dump(anchor), tmp_path / "anchor")
+    merged, expected = load_weights(tmp_path / "bmm"), load_weights(tmp_path / "anchor")
+    assert max(relative_error(merged[name], expected[name]) for name in expected) < 1e-6
+
+
 def test_gpt_bigcode_by_hub_id_is_solved_as_by_local_path(tmp_path, monkeypatch, one_torch_thread):
     """The layout of GPT-2's names (c_attn, c_fc, c_proj) comes from the checkpoint's config, read
     from the Hub cache for a Hub id; gpt_bigcode stores them as nn.Linear (out, in)."""

@@ -208,8 +208,8 @@ def filter_rules(names: list[str] | tuple[str, ...]) -> list[GroupRule]:
     that match none of the model's weights are left out to keep recipes short.
     """
     used = set()
-    for name in names:
-        info = classify(name)
+    for name in names:  # an expert stack (no ``.weight``) has the group its substrings give
+        info = classify(name, ndim=3 if is_expert_stack(name) else 2)
         if info is not None:
             used.add(info.pattern)
     return [rule for rule in RULES if rule.pattern in used]

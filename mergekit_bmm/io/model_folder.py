@@ -150,6 +150,15 @@ def weight_shapes_of(reference: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def merge_names_of(reference: str | Path) -> list[str]:
+    """Every name a merge of this checkpoint may read a tensor under: the checkpoint's own, then
+    transformers' layout names it lacks (mergekit converts a checkpoint saved under older names, or
+    with per-expert weights, on load). Filters written for a recipe must match either."""
+    names = weight_names_of(reference)
+    known = set(names)
+    return names + [name for name in layout_shapes_of(reference) if name not in known]
+
+
 def layout_shapes_of(reference: str | Path) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes as transformers lays the model out, which are the names mergekit
     merges where a checkpoint was saved under older names or with per-expert weights (mergekit

@@ -18,7 +18,7 @@ from typing import Any
 from mergekit_bmm.core.evidence import AUTO_LAMBDA
 from mergekit_bmm.core.module_map import GROUP_NAMES, filter_rules
 from mergekit_bmm.errors import ConfigError
-from mergekit_bmm.io.model_folder import weight_names_of
+from mergekit_bmm.io.model_folder import merge_names_of
 
 
 @dataclass(frozen=True)
@@ -79,12 +79,13 @@ def blockwise_recipe(
 ) -> dict[str, Any]:
     """The recipe with one slice per block holding that block's λ per group and s.
 
-    ``weight_names`` (default: read from the base checkpoint) choose which module-map
-    rules become filters; each rule's filter carries the λ of its group.
+    ``weight_names`` (default: every name a merge of the base may read, the checkpoint's and
+    transformers' layout's) choose which module-map rules become filters; each rule's filter carries
+    the λ of its group.
     """
     if recipe.get("merge_method") != "bmm":
         raise ConfigError(f"expected a `merge_method: bmm` recipe; got {recipe.get('merge_method')!r}")
-    names = list(weight_names) if weight_names is not None else weight_names_of(recipe["base_model"])
+    names = list(weight_names) if weight_names is not None else merge_names_of(recipe["base_model"])
     rules = filter_rules(names)
     sources = _sources(recipe)
     out = {key: copy.deepcopy(value) for key, value in recipe.items() if key != "models"}

@@ -22,7 +22,7 @@ from mergekit_bmm.errors import OutputFolderError
 from mergekit_bmm.io.atomic import atomic_write_json
 from mergekit_bmm.io.fingerprint import reference_fingerprint
 from mergekit_bmm.io.hub_models import hub_commit
-from mergekit_bmm.io.model_folder import local_model_dir, model_type_of, weight_names_of, weight_shapes_of
+from mergekit_bmm.io.model_folder import local_model_dir, merge_names_of, model_type_of, weight_shapes_of
 from mergekit_bmm.recipes.changed_defaults import keyed_recipe, relies_on_changed_default
 from mergekit_bmm.recipes.parse import mergekit_configuration
 from mergekit_bmm.search.config import SearchConfig, canonical_hash, load_template
@@ -62,7 +62,7 @@ def prepare_experiment(config: SearchConfig, cache_dir: Path | None) -> Experime
     for reference in [base] + [str(item["model"]) for item in template["models"]]:
         for part in reference.split("+", 1):  # a Hub id from the cache, fetched first when online
             local_model_dir(part)
-    weight_names = weight_names_of(base)
+    weight_names = merge_names_of(base)  # a trial's λ filters must match the names the merge reads
     space = SearchSpace.from_config(config, template, weight_names)
     models = [base] + [str(item["model"]) for item in template["models"]]
     inputs = inputs_of(models)
