@@ -97,15 +97,15 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
     def merge(config: dict, name: str, into: str = ""):
         return mergekit_yaml(config, work, name, into, device)
 
+    merges = [
+        Job(ta, merge(recipe(deep, ta), "ta")),
+        Job("bmm data-free", merge(recipe(deep, "bmm", ta), "bmm"), ta),
+    ]
+    if parameters["weight_rule"]:  # bmm's earlier default rule, every figure before it changed
+        earlier = recipe(deep, "bmm", ta, gram_sharing="weight")
+        merges.append(Job("bmm data-free, gram_sharing: weight", merge(earlier, "bmm-weight"), ta))
     groups = [
-        Group(
-            [
-                Job(ta, merge(recipe(deep, ta), "ta")),
-                Job("bmm data-free", merge(recipe(deep, "bmm", ta), "bmm"), ta),
-            ],
-            rounds=1,
-            discard=True,
-        ),
+        Group(merges, rounds=1, discard=True),
         Group(
             [
                 Job("GEMM floor of the closed form", lambda out: closed_form_floor(shapes, 3, device)),
@@ -197,6 +197,7 @@ WORKLOAD = Workload(
             "layers": 16,
             "cache_layers": 16,
             "depth": True,
+            "weight_rule": False,
             "experts": 3,
             "device": "cpu",
             "rounds": 1,
@@ -209,6 +210,7 @@ WORKLOAD = Workload(
             "layers": 2,
             "cache_layers": 0,
             "depth": False,
+            "weight_rule": True,
         },
     },
     build=build,
