@@ -146,3 +146,23 @@ def test_the_weights_that_read_one_input_load_each_other_once(tmp_path, monkeypa
     monkeypatch.setattr(bmm_equations, "_POOLED", type("Forgetful", (dict,), {"get": lambda *a: None})())
     alone = _merge(family.base, list(family.experts), tmp_path / "alone", "input")
     assert all(_relative(shared[name], alone[name]) < 1e-12 or alone[name].abs().max() == 0 for name in alone)
+
+
+def test_the_weights_that_read_one_input_share_one_factorisation(tmp_path, monkeypatch):
+    """``input``: q, k and v (gate and up) have one ``G + λ'I``, factored once per input; the merge
+    equals one that factors every weight itself."""
+    from mergekit_bmm.core import closed_form
+    from mergekit_bmm.examples.architectures import make_architecture_family
+    from mergekit_bmm.merge_methods import shared_factor
+
+    family = make_architecture_family(tmp_path / "llama", "llama", n_experts=2)
+    monkeypatch.setattr(shared_factor, "_KEEP", 0)  # nothing kept: every weight factors its own
+    alone = _merge(family.base, list(family.experts), tmp_path / "alone", "input")
+    monkeypatch.undo()
+    factored = []
+    original = closed_form.ridge_factor
+    monkeypatch.setattr(closed_form, "ridge_factor", lambda *a: factored.append(a) or original(*a))
+    shared_factor._FACTORS.clear()
+    together = _merge(family.base, list(family.experts), tmp_path / "together", "input")
+    assert len(factored) == 2 * 4  # per layer: one for q/k/v, o, gate/up, down (not one per weight: 7)
+    assert all(torch.equal(alone[name], together[name]) for name in alone)

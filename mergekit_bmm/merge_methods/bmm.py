@@ -264,9 +264,8 @@ class _Solve:
         if not updates:
             return None if updates is None else ([], None)
         d_in = self.orient(self.base).shape[1]
-        siblings = ()  # mix under gram_sharing: input: their rows join each data-free G_t
-        if self.siblings and self.settings.gram == "mix":
-            siblings = sibling_updates(self.group, self.tasks, self.siblings)
+        pooled = self.siblings and self.settings.gram == "mix"  # their rows join each data-free G_t
+        siblings = sibling_updates(self.group, self.tasks, self.siblings) if pooled else ()
         return updates, factored_equations(
             self.settings, self.name, self.tasks, updates, d_in, self.base.device, siblings
         )
@@ -345,8 +344,10 @@ class _Solve:
         return self._output(merged, base_c, ridge, settings.compute_dtype, gram=equations.gram)
 
     def _shared_solve(self, equations: normal_equations.NormalEquations, prior: torch.Tensor) -> torch.Tensor:
-        """The closed form; q/k/v (gate/up) under ``gram: activations`` share one factorisation."""
+        """The closed form; q/k/v (gate/up) with one ``G`` share one factorisation (keyed by ``G`` too)."""
         settings, key = self.settings, shared_input_key(self.settings, self.name, self.tasks)
+        if key is None and self.siblings:  # one Gram pooled by gram_sharing: input (its tasks: in G)
+            key = (str(self.group.base.id), *sorted((*self.siblings, self.name)))
         ridge = closed_form.effective_ridge(settings.lam, equations, settings.lambda_mode)
         factor = shared_factor(key, equations.gram, ridge) if key is not None else None
         return factor.solve(equations.cross, prior) if factor else closed_form.solve(equations, prior, ridge)

@@ -1,7 +1,8 @@
-"""One factorisation of ``G + λ'I`` for the weights that read one input (``gram: activations``).
+"""One factorisation of ``G + λ'I`` for the weights that read one input.
 
-q, k and v (gate and up) read one input, so their activation Gram is one stored Gram and, with one
-λ for their module group, their ``G + λ'I`` is one matrix: it is factored once
+q, k and v (gate and up) read one input, so their activation Gram is one stored Gram (and under
+``gram_sharing: input`` their data-free Grams are one pooled Gram) and, with one λ for their module
+group, their ``G + λ'I`` is one matrix: it is factored once
 (:class:`~mergekit_bmm.core.closed_form.RidgeFactor`) and kept for the weights merged after it.
 """
 

@@ -210,7 +210,6 @@ WORKLOAD = Workload(
             "layers": 2,
             "cache_layers": 0,
             "depth": False,
-            "weight_rule": True,
         },
     },
     build=build,
