@@ -139,12 +139,23 @@ def weight_names_of(reference: str | Path) -> list[str]:
 
 
 def weight_shapes_of(reference: str | Path) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a local checkpoint (safetensors headers only)."""
+    """Tensor names and shapes of a local checkpoint (safetensors headers only). Kept per shard
+    file, size and modification time: the merge asks once for every weight that reads a shared
+    input, and a rewritten shard is read again."""
+    shards = tuple(
+        (str(path), path.stat().st_size, path.stat().st_mtime_ns)
+        for path in sorted(local_model_dir(reference).glob("*.safetensors"))
+    )
+    return dict(_header_shapes(shards))
+
+
+@lru_cache(maxsize=8)
+def _header_shapes(shards: tuple[tuple[str, int, int], ...]) -> dict[str, tuple[int, ...]]:
     from safetensors import safe_open
 
     shapes: dict[str, tuple[int, ...]] = {}
-    for path in sorted(local_model_dir(reference).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
+    for path, _size, _stamp in shards:
+        with safe_open(path, framework="pt") as handle:
             for name in handle.keys():
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
