@@ -48,9 +48,11 @@ def test_gpu_check_search_on_the_cpu_with_small_shapes(models, tmp_path):
 
 
 def test_gpu_check_billion_runs_the_billion_merge_workload(models, tmp_path):
+    """Also the billion_merge workload's quick-size run (test_perf leaves it to this test)."""
     found = _check(models, tmp_path / "billion.json", "billion")
-    assert found["workload"] == "billion_merge"
+    assert found["workload"] == "billion_merge" and found["size"] == "quick"
     assert {"task_arithmetic", "bmm data-free"} <= {row["label"] for row in found["rows"]}
+    assert all(row["seconds"] >= 0 for row in found["rows"])
 
 
 def test_gpu_check_eight_b_is_the_billion_merge_workload_at_llama_3_8b_depth(tmp_path, monkeypatch):

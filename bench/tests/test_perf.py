@@ -85,7 +85,13 @@ def test_a_merge_in_a_fresh_interpreter_reports_its_memory_and_a_discarded_outpu
     assert not (tmp_path / "run" / "out" / "group-0" / "0").exists()
 
 
-@pytest.mark.parametrize("name", workloads.names())
+# workloads another test already runs at their quick size, with the same settings (suite time)
+RUN_ELSEWHERE = {
+    "billion_merge": "bench/tests/test_gpu_check.py::test_gpu_check_billion_runs_the_billion_merge_workload",
+}
+
+
+@pytest.mark.parametrize("name", [name for name in workloads.names() if name not in RUN_ELSEWHERE])
 def test_every_workload_runs_at_its_quick_size(name, tmp_path):
     result = run_workload(
         workloads.workload(name), "quick", warmup=0, out_root=tmp_path, echo=lambda line: None
