@@ -134,8 +134,8 @@ class SearchRun:
         self.proposer = make_proposer(experiment.space, self.config, self._start())
         self.evaluator = make_evaluator(self.config.evaluator, self.device)  # label-free: recipe checked,
         getattr(self.evaluator, "check_recipe", lambda _: None)(experiment.template)  # then references
-        resumed = self._open_folder(experiment)
-        try:
+        try:  # a folder that cannot be opened or written is unlocked for the next command too
+            resumed = self._open_folder(experiment)
             references = getattr(self.evaluator, "prepare", lambda *_: None)
             references(experiment.template, self.echo, self.options.progress)
             return self._run_locked(resumed)
