@@ -37,6 +37,7 @@ from bench.merging.scoring import ScoredTask, score_model
 from bench.merging.stage_clock import StageClock
 from bench.merging.stages import STAGES
 from bench.merging.tasks import build_task_data
+from mergekit_bmm.io.atomic import atomic_write_text
 
 
 def lower_priority(niceness: int) -> None:
@@ -50,7 +51,8 @@ def lower_priority(niceness: int) -> None:
 
 
 def run_language_only(config: RunConfig, cache_dir: Path, results_dir: Path) -> dict[str, Any]:
-    """Only the language track (it can run beside the encoder track); ``language.json``."""
+    """Only the language track (it can run beside the encoder track); ``language.json`` and
+    ``language.md``, written at every checkpoint too (with ``reached``: how far it got)."""
     import torch
 
     from bench.merging.language.track import run_language_track
@@ -58,10 +60,22 @@ def run_language_only(config: RunConfig, cache_dir: Path, results_dir: Path) -> 
     lower_priority(config.niceness)
     device.use(config.device)
     torch.set_num_threads(config.language.finetune.threads)
-    language = run_language_track(config, Path(cache_dir).resolve())
     folder = Path(results_dir).resolve() / config.name
-    write_json(folder / "language.json", language)
-    say(report.language_markdown(language))
+
+    def write(language: dict[str, Any]) -> str:
+        text = report.language_markdown(language)
+        if language.get("reached"):
+            text = f"In progress: {language['reached']}.\n\n{text}"
+        write_json(folder / "language.json", language)
+        atomic_write_text(folder / "language.md", text + "\n")
+        return text
+
+    def checkpoint(language: dict[str, Any]) -> None:
+        write(language)
+        say(f"report    {folder / 'language.md'} ({language['reached']})")
+
+    language = run_language_track(config, Path(cache_dir).resolve(), checkpoint)
+    say(write(language))
     return language
 
 

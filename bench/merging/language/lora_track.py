@@ -158,9 +158,12 @@ def run_lora_track(
     tasks,
     include,
     tuned_anchor: Callable[..., dict[str, Any]],
+    checkpoint: Callable[[dict[str, Any], str], None] | None = None,
 ) -> dict[str, Any]:
     """Everything the LoRA table needs (scores, tuned values, intervals), every stage cached;
-    ``tuned_anchor`` is the dense track's (an anchor tuned on validation, with BMM over it)."""
+    ``tuned_anchor`` is the dense track's (an anchor tuned on validation, with BMM over it);
+    ``checkpoint`` is handed the table so far, with its intervals, after each anchor and method
+    (a run of several sessions commits what it has)."""
     from mergekit_bmm.io.lora_experts import dense_model
 
     spec, language = config.language.lora, config.language
@@ -181,6 +184,11 @@ def run_lora_track(
     models: dict[str, str] = {}
     label_free: list[tuple[str, str]] = []  # each search that read no labels against its peers
     out["anchors"] = {}
+
+    def reached(note: str) -> None:
+        if checkpoint is not None:
+            checkpoint({**out, "intervals": intervals(models, scoring, label_free)}, note)
+
     search = spec.search or language.search
     stats = None  # the adapters' statistics: data-assisted and mix BMM, RegMean
     if set(search.settings) - {"data_free"} or any(a.method == "regmean" for a in spec.anchors):
@@ -193,11 +201,13 @@ def run_lora_track(
         models[anchor_spec.name] = anchor["model_id"]
         models.update(every_bmm_model(anchor_spec.name, anchor))
         label_free += label_free_pairs(anchor_spec.name, anchor)
+        reached(f"LoRA: anchors up to {anchor_spec.name}")
     out["peft"] = {}
     ordered = [adapters[t.name] for t in tasks]
     for method in spec.peft_methods:
         out["peft"][method] = tuned_peft(method, spec, model_dir, ordered, scoring, cache_dir)
         models[f"peft {method}"] = out["peft"][method]["model_id"]
+        reached(f"LoRA: PEFT up to {method}")
     out["knots"] = {}
     for variant in spec.knots:
         out["knots"][variant] = tuned_knots(variant, spec, model_dir, ordered, scoring, cache_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,11 @@ def say(message: str) -> None:
     tqdm.write(message)
 
 
-def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
+def run_language_track(
+    config: RunConfig, cache_dir: Path, checkpoint: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Every model of the language track scored, every stage cached; ``checkpoint`` is handed the
+    results so far (``reached`` says how far) where the LoRA track finishes an anchor or a method."""
     spec = config.language
     cache = ScoreCache(cache_dir)
     timings: dict[str, float] = {}
@@ -154,7 +159,13 @@ def run_language_track(config: RunConfig, cache_dir: Path) -> dict[str, Any]:
     if spec.lora.enabled:  # the same tasks with LoRA experts: BMM against PEFT's adapter merges
         from bench.merging.language.lora_track import run_lora_track
 
-        out["lora"] = run_lora_track(config, cache_dir, model_dir, model_fp, tasks, include, tuned_anchor)
+        def lora_reached(lora: dict[str, Any], note: str) -> None:
+            if checkpoint is not None:
+                checkpoint({**out, "lora": lora, "reached": note})
+
+        out["lora"] = run_lora_track(
+            config, cache_dir, model_dir, model_fp, tasks, include, tuned_anchor, lora_reached
+        )
     out["intervals"] = _intervals(models, expert_ids, tasks, cache, limit, label_free)
     out["timings"] = timings
     write_json(
