@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from tqdm.auto import tqdm
 
 from bench.merging import report
@@ -174,7 +173,7 @@ def one_search(
     factors = cache_dir / "factors" / config.name / f"{anchor}-{setting}"  # shared by the cell's searches
     started = time.time()
     outcome = run_search(search, folder, config.search.threads, config.search.workers, factors)
-    recipe = yaml.safe_load(outcome["best_yml"].read_text(encoding="utf-8"))
+    recipe = outcome["best_recipe"]
     recipe["parameters"].pop("cache", None)  # where the factors were kept does not change the model
     key = recipe_key(recipe)
     best_dir = outcome["best_dir"]

@@ -170,7 +170,22 @@ def run_search(
         if cache is not None:
             args += ["--cache-dir", str(cache)]
         _run("mergekit-bmm-search", args, folder.with_name(folder.name + ".log"))
-    return read_search(folder)
+    outcome = read_search(folder)
+    outcome["best_recipe"] = best_recipe(folder / "best.yml", config["recipe"])
+    return outcome
+
+
+def best_recipe(best_yml: Path, template: dict[str, Any]) -> dict[str, Any]:
+    """The search's best recipe as its trials were merged. A ``best.yml`` written before bmm's
+    ``gram_sharing`` default changed leaves the rule out; the folder was found under a template that
+    states it (its key spells the rule out), so the template's rule is written in: the best model's
+    scores are then keyed as the merge they were made from."""
+    recipe = yaml.safe_load(best_yml.read_text(encoding="utf-8"))
+    stated = (template.get("parameters") or {}).get("gram_sharing")
+    parameters = recipe.setdefault("parameters", {})
+    if stated is not None and "gram_sharing" not in parameters:
+        parameters["gram_sharing"] = stated
+    return recipe
 
 
 def search_clock(records: list[dict]) -> list[tuple[float, dict]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import numpy as np
@@ -309,3 +310,24 @@ def test_a_carved_task_relabels_its_corpus_and_keeps_the_corpus_test_pool(tmp_pa
     assert carved_test and not carved_test & texts(whole, "train")[0]
     with pytest.raises(Exception, match="not labels of debates"):
         build_task_data(carved.model_copy(update={"classes": {"x": ["OBAMA"]}}), tmp_path, 0)
+
+
+def test_a_search_finished_before_the_gram_sharing_default_changed_keeps_its_scores(tmp_path):
+    """Its ``best.yml`` leaves the rule out (then ``weight``); the folder is found under a template
+    that states ``weight``, so the best recipe states it and its scores keep the key they had."""
+    from bench.merging.merging import recipe_key
+    from bench.merging.searches import best_recipe
+
+    best = {"merge_method": "bmm", "base_model": "base", "models": [], "parameters": {"lambda": 0.2}}
+    (tmp_path / "best.yml").write_text(yaml.safe_dump(best))
+    template = {**best, "parameters": {"lambda": 0.1, "gram_sharing": "weight"}}
+    recipe = best_recipe(tmp_path / "best.yml", template)
+    assert recipe["parameters"] == {"lambda": 0.2, "gram_sharing": "weight"}
+    from bench.merging.cache import stable_key
+    from bench.merging.merging import _fingerprinted
+
+    version = importlib.metadata.version("mergekit")  # the key it had: the recipe as it stood, then
+    before = "merge:" + stable_key({"recipe": _fingerprinted(best), "mergekit": version}, 24)
+    assert recipe_key(recipe) == before
+    assert recipe_key(best) != before  # read as it stands, it would name today's default
+    assert best_recipe(tmp_path / "best.yml", best)["parameters"] == {"lambda": 0.2}

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from tqdm.auto import tqdm
 
 from bench.merging.cache import ScoreCache, stable_key
@@ -110,7 +109,7 @@ def label_free_searches(
         folder = cache_dir / "searches" / config.name / f"language-{free.name}-{anchor}-data_free-{key}"
         tqdm.write(f"LM bmm    search over {anchor} with no labels ({free.name}) -> {folder}")
         found = run_search(search, folder, search_spec.threads, search_spec.workers)
-        recipe = yaml.safe_load(found["best_yml"].read_text(encoding="utf-8"))
+        recipe = found["best_recipe"]
         scores, _ = score_lm(recipe_key(recipe), found["best_dir"], jobs, include, cache, batch, limit)
         out[free.name] = {
             "model_id": recipe_key(recipe),

@@ -293,9 +293,7 @@ def _bmm_over_anchor(
     folder = cache_dir / "searches" / config.name / f"language-{anchor}-{setting}-{key}"
     say(f"LM bmm    search over {anchor}, {setting} (K={search_spec.budget}) -> {folder}")
     outcome = run_search(search, folder, search_spec.threads, search_spec.workers)
-    import yaml
-
-    best = yaml.safe_load(outcome["best_yml"].read_text(encoding="utf-8"))
+    best = outcome["best_recipe"]
     jobs = [(t, s) for t in tasks for s in ("validation", "test")]
     model_id = recipe_key(best)
     scores, _ = score_lm(model_id, outcome["best_dir"], jobs, include, cache, batch, limit)
