@@ -26,6 +26,8 @@ def test_stating_the_old_value_gives_the_key_the_old_default_gave():
 def test_recipes_the_rule_does_not_touch_keep_their_keys():
     activations = bmm(gram="activations", stats="/s")
     assert keyed_recipe(activations) == activations and not relies_on_changed_default(activations)
+    for rule in ("weight", "input"):  # one Gram per input either way: the same merge, the same key
+        assert keyed_recipe(bmm(gram="activations", stats="/s", gram_sharing=rule)) == activations
     ties = {"merge_method": "ties", "models": [], "parameters": {"density": 0.5}}
     assert keyed_recipe(ties) == ties and not relies_on_changed_default(ties)
     original = bmm(gram="data_free")

@@ -30,14 +30,22 @@ def _sharing_matters(recipe: Mapping[str, Any]) -> bool:
 
 def keyed_recipe(recipe: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``recipe`` as keys see it: the old ``gram_sharing`` value left out (it was the
-    default), today's default written in."""
+    default), today's default written in; left out of ``gram: activations`` recipes, whose merge it
+    does not change (a recipe stating it names the same merge as one leaving it out)."""
     keyed = copy.deepcopy(dict(recipe))
+    parameters = keyed.get("parameters")
     if _sharing_matters(keyed):
-        parameters = keyed["parameters"] = dict(keyed.get("parameters") or {})
+        parameters = keyed["parameters"] = dict(parameters or {})
         if parameters.get("gram_sharing", GRAM_SHARING_NOW) == GRAM_SHARING_BEFORE:
             del parameters["gram_sharing"]
         else:
             parameters.setdefault("gram_sharing", GRAM_SHARING_NOW)
+    elif (
+        keyed.get("merge_method") == "bmm"
+        and isinstance(parameters, Mapping)
+        and "gram_sharing" in parameters
+    ):
+        keyed["parameters"] = {k: v for k, v in parameters.items() if k != "gram_sharing"}
     return keyed
 
 
