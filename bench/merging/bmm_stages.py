@@ -14,7 +14,12 @@ from bench.merging import report
 from bench.merging.artifacts import Artifacts, say
 from bench.merging.cache import ScoreCache, stable_key
 from bench.merging.config import LabelFreeSpec, RunConfig, VariantSpec, limits
-from bench.merging.diagnostics import cached_moved_from_anchor, expert_alignment, task_update_norms
+from bench.merging.diagnostics import (
+    cached_moved_from_anchor,
+    expert_alignment,
+    task_update_norms,
+    task_vector_cosines,
+)
 from bench.merging.encoder import load_encoder
 from bench.merging.merging import recipe_key
 from bench.merging.model_scores import evaluator_block, merge_and_score, search_evaluator
@@ -216,6 +221,10 @@ def bmm_stage(
         ensure_stats(config, cache_dir, art, {"timings": {}})
     if "task_norms" not in results:  # how much each task weighs in the data-free Gram
         results["task_norms"] = task_update_norms(
+            art.encoder, {t: art.experts[t] for t in art.tasks}, cache_dir
+        )
+    if "task_cosines" not in results:  # how far the experts pull the encoder apart
+        results["task_cosines"] = task_vector_cosines(
             art.encoder, {t: art.experts[t] for t in art.tasks}, cache_dir
         )
     if art.stats is not None and "alignment" not in results:

@@ -9,6 +9,8 @@ why:
   0 means the search kept the anchor.
 - **task norms**: per expert, ``‖U_t‖_F`` and its share of ``Σ_t tr(U_tᵀU_t)`` — the weight
   the data-free Gram gives its task (``task_balance:`` evens it out).
+- **task cosines**: per pair of experts, ``cos(U_s, U_t)`` over the solved weights — how far the
+  experts pull the model apart (interference), the figure a task set is chosen by.
 - **alignment**: per expert, ``cos_F(G_t, U_tᵀU_t)`` between its activation Gram and the Gram
   of its task vector (Theorem 1, ``mergekit-bmm-align``): data-free BMM stands on it.
 """
@@ -18,6 +20,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from bench.merging.cache import read_json, stable_key, write_json
 from mergekit_bmm.core.module_map import classify
@@ -109,5 +113,43 @@ def task_update_norms(base: Path, experts: dict[str, Path], cache_dir: Path) -> 
         }
         for task, row in squares.items()
     }
+    write_json(path, out)
+    return out
+
+
+def task_vector_cosines(base: Path, experts: dict[str, Path], cache_dir: Path) -> dict[str, Any]:
+    """How far the experts pull the model apart: the cosine between each pair of task vectors
+    ``U_s``, ``U_t`` over every solved weight (0: orthogonal updates, little interference for Task
+    Arithmetic to average away; negative: updates that undo each other), their mean, the most
+    aligned and the most opposed pair; cached by the checkpoints' fingerprints."""
+    key = stable_key(
+        {"base": model_fingerprint(base), "experts": {t: model_fingerprint(e) for t, e in experts.items()}}
+    )
+    path = cache_dir / "task_cosines" / f"{key}.json"
+    if path.is_file():
+        return read_json(path)
+    pre, model_type = load_state_dict(base), model_type_of(base)
+    names = [
+        name for name, tensor in pre.items() if tensor.ndim == 2 and classify(name, model_type) is not None
+    ]
+    tasks = list(experts)
+    inner = torch.zeros(len(tasks), len(tasks), dtype=torch.float64)
+    states = {task: load_state_dict(folder) for task, folder in experts.items()}
+    for name in names:
+        stacked = torch.stack([(states[t][name].double() - pre[name].double()).flatten() for t in tasks])
+        inner += stacked @ stacked.T
+    norms = inner.diagonal().sqrt().clamp_min(1e-300)
+    cosine = inner / norms[:, None] / norms[None, :]
+    pairs = {
+        f"{tasks[i]} / {tasks[j]}": round(float(cosine[i, j]), 4)
+        for i in range(len(tasks))
+        for j in range(i + 1, len(tasks))
+    }
+    out: dict[str, Any] = {"mean": round(sum(pairs.values()) / len(pairs), 4) if pairs else None}
+    for label, pick in (("most_aligned", max), ("most_opposed", min)):
+        if pairs:
+            pair, value = pick(pairs.items(), key=lambda item: item[1])
+            out[label] = {"pair": pair, "cosine": value}
+    out["pairs"] = pairs
     write_json(path, out)
     return out

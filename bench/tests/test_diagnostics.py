@@ -54,3 +54,24 @@ def test_the_figure_is_kept_per_merge_recipe(base_and_anchor, monkeypatch):
     assert len(list((root / "cache" / "moved").glob("*.json"))) == 1
     monkeypatch.setattr(diagnostics, "moved_from_anchor", lambda *a: pytest.fail("not from the cache"))
     assert cached_moved_from_anchor(root / "anchor", root / "anchor", root / "base", root / "cache") == first
+
+
+def test_task_vector_cosines_say_how_far_the_experts_pull_apart(base_and_anchor, monkeypatch):
+    """An expert twice along the anchor's update is aligned with it (+1), one along its opposite is
+    opposed (−1); the figure is kept per set of checkpoints."""
+    import bench.merging.diagnostics as diagnostics
+
+    config, base, anchor, root = base_and_anchor
+    pre, theirs = base.state_dict(), anchor.state_dict()
+    for label, factor in (("twice", 2.0), ("opposite", -1.0)):
+        expert = BertModel(config)
+        expert.load_state_dict({name: pre[name] + factor * (theirs[name] - pre[name]) for name in pre})
+        _save(expert, root / label)
+    experts = {"anchor": root / "anchor", "twice": root / "twice", "opposite": root / "opposite"}
+    found = diagnostics.task_vector_cosines(root / "base", experts, root / "cache")
+    assert found["pairs"]["anchor / twice"] == pytest.approx(1.0, abs=1e-4)
+    assert found["pairs"]["anchor / opposite"] == pytest.approx(-1.0, abs=1e-4)
+    assert found["most_opposed"]["cosine"] == pytest.approx(-1.0, abs=1e-4)
+    assert found["mean"] == pytest.approx(-1 / 3, abs=1e-3)
+    monkeypatch.setattr(diagnostics, "load_state_dict", lambda *a: pytest.fail("not from the cache"))
+    assert diagnostics.task_vector_cosines(root / "base", experts, root / "cache") == found

@@ -519,6 +519,7 @@ def test_label_free_searches_beside_the_labelled_one(tiny_run, tmp_path):
 
     curve = write_curve([tmp_path / "results" / "smoke" / "results.json"], tmp_path / "curve").read_text()
     assert "2 tasks (smoke)" in curve and "bmm over task_arithmetic (data_free)" in curve
+    assert -1 <= results["task_cosines"]["mean"] <= 1 and "mean pairwise cosine | " in curve
     assert (tmp_path / "curve" / "curve.png").is_file()
     # the main searches themselves label-free: another search folder, its evaluator the agreement one
     config["search"].update({"objective": "agreement", "label_free": [], "oracle": None})

@@ -58,8 +58,15 @@ def curve_points(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "low": cell["oracle_delta_low"],
                         "high": cell["oracle_delta_high"],
                     }
+        cosines = results.get("task_cosines") or {}
         points.append(
-            {"name": results["name"], "tasks": len(results["tasks"]), "shares": shares, "versus": versus}
+            {
+                "name": results["name"],
+                "tasks": len(results["tasks"]),
+                "shares": shares,
+                "versus": versus,
+                "task_cosine": cosines.get("mean"),
+            }
         )
     return points
 
@@ -71,6 +78,8 @@ def curve_markdown(points: list[dict[str, Any]]) -> str:
     for name in names:
         cells = ["–" if p["shares"].get(name) is None else f"{100 * p['shares'][name]:.0f} %" for p in points]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    cells = ["–" if p.get("task_cosine") is None else f"{p['task_cosine']:+.3f}" for p in points]
+    lines.append("| experts' task vectors: mean pairwise cosine | " + " | ".join(cells) + " |")
     keys = list(dict.fromkeys(key for point in points for key in point["versus"]))
     lines += [
         "",
@@ -90,8 +99,9 @@ def curve_markdown(points: list[dict[str, Any]]) -> str:
             + " |"
         )
     return (
-        "Share of the pretrained → experts range (test average) per number of tasks, and BMM over ISO-CTS "
-        "against ISO-CTS (points, 95 % paired interval).\n\n" + "\n".join(lines)
+        "Share of the pretrained → experts range (test average) per number of tasks (with how far the "
+        "experts pull the encoder apart: the mean cosine between two of their task vectors), and BMM over "
+        "ISO-CTS against ISO-CTS (points, 95 % paired interval).\n\n" + "\n".join(lines)
     )
 
 

@@ -94,7 +94,19 @@ def task_norms_markdown(results: dict[str, Any]) -> str:
     return (
         f"How much each expert moved{spread}: the data-free Gram Σ U_tᵀU_t weighs a task by the size of its "
         "update (`task_balance:` evens it out); beside it, test points data-free BMM gained or lost on the "
-        "task against its anchor.\n\n" + "\n".join(lines)
+        "task against its anchor.\n\n" + "\n".join(lines) + cosines_sentence(results.get("task_cosines"))
+    )
+
+
+def cosines_sentence(cosines: dict[str, Any] | None) -> str:
+    """The experts' pairwise task-vector cosines in one sentence (how far they pull the model apart)."""
+    if not cosines or cosines.get("mean") is None:
+        return ""
+    aligned, opposed = cosines["most_aligned"], cosines["most_opposed"]
+    return (
+        f"\n\nCosine between two experts' task vectors (over the solved weights), mean over "
+        f"{len(cosines['pairs'])} pairs: {cosines['mean']:+.3f} (most aligned {aligned['pair']} "
+        f"{aligned['cosine']:+.3f}, most opposed {opposed['pair']} {opposed['cosine']:+.3f})."
     )
 
 
