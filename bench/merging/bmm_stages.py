@@ -259,7 +259,8 @@ def bmm_stage(
                 if anchor in spec.trace:  # every trial against test: does the objective transfer?
                     from bench.merging.label_free_trace import trace_search
 
-                    record["trace"] = trace_search(config, cache_dir, art, spec, Path(outcome["folder"]))
+                    folder = Path(outcome["folder"])
+                    record["trace"] = trace_search(config, cache_dir, art, spec, folder, outcome["template"])
                 say(f"bmm       {anchor:16s} {setting:13s} no labels ({spec.name}) {100 * record['avg']:.1f}")
         oracle = config.search.oracle
         if oracle is not None and anchor in oracle.anchors and setting in oracle.settings:

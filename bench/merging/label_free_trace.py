@@ -25,6 +25,7 @@ from bench.merging.config import LabelFreeSpec, RunConfig, limits
 from bench.merging.encoder import load_encoder
 from bench.merging.merging import recipe_key, run_mergekit
 from bench.merging.scoring import mean, score_model
+from bench.merging.searches import as_merged
 
 OBJECTIVES = ("kl", "reverse_kl", "top1", "entropy")
 
@@ -49,12 +50,16 @@ def _trial_records(folder: Path) -> list[dict[str, Any]]:
     return [r for r in records if "event" not in r and r.get("status") == "ok"]
 
 
-def _traced(folder: Path, cache_dir: Path, limit: int | None) -> list[tuple[dict, dict, str, Path]]:
+def traced_trials(
+    folder: Path, cache_dir: Path, limit: int | None, template: dict[str, Any]
+) -> list[tuple[dict, dict, str, Path]]:
     """(record, recipe, key, stored score) of the trials to trace: all, or ``limit`` evenly spaced over
-    the search with its best, plus any traced before (free: their scores are stored)."""
+    the search with its best, plus any traced before (free: their scores are stored); each recipe as
+    the search merged it (``template``: the one the search was found under)."""
     found = []
     for record in _trial_records(folder):
         recipe = yaml.safe_load((folder / record["yaml"]).read_text(encoding="utf-8"))
+        recipe = as_merged(recipe, template)
         recipe["parameters"].pop("cache", None)  # where the factors were kept does not change the model
         key = recipe_key(recipe)
         found.append((record, recipe, key, cache_dir / "label_free_trace" / f"{key.split(':')[1]}.json"))
@@ -67,17 +72,23 @@ def _traced(folder: Path, cache_dir: Path, limit: int | None) -> list[tuple[dict
 
 
 def trace_search(
-    config: RunConfig, cache_dir: Path, art: Artifacts, spec: LabelFreeSpec, folder: Path
+    config: RunConfig,
+    cache_dir: Path,
+    art: Artifacts,
+    spec: LabelFreeSpec,
+    folder: Path,
+    template: dict[str, Any],
 ) -> dict[str, Any]:
-    """Per trial of the search in ``folder``: its search score, test average and every objective's raw
-    divergence per task; then each objective's rank correlation with the test average."""
+    """Per trial of the search in ``folder`` (found under ``template``): its search score, test average
+    and every objective's raw divergence per task; then each objective's rank correlation with the test
+    average."""
     tasks = list(art.tasks.values())
     evaluator = _evaluator(config, art, spec, folder / "references")
     # each task's base divergence per objective (the base-scaled score's denominator)
     gaps = {objective: evaluator.base_divergence(objective) for objective in OBJECTIVES}
     cache, work = ScoreCache(cache_dir), cache_dir / "merges" / "trace-work"
     trials = []
-    for record, recipe, key, stored in _traced(folder, cache_dir, spec.trace_trials):
+    for record, recipe, key, stored in traced_trials(folder, cache_dir, spec.trace_trials, template):
         if not stored.is_file():
             out = run_mergekit(recipe, work / key.split(":")[1])
             model, tokenizer = load_encoder(out, config.work_threads)

@@ -63,7 +63,12 @@ def run_language_only(config: RunConfig, cache_dir: Path, results_dir: Path) -> 
     folder = Path(results_dir).resolve() / config.name
 
     def write(language: dict[str, Any]) -> str:
+        from bench.merging.report.label_free import plot_language_trace
+
         text = report.language_markdown(language)
+        folder.mkdir(parents=True, exist_ok=True)
+        if plot_language_trace(language, folder / "language_label_free.png"):
+            text += "\n\n![agreement against test accuracy along the search](language_label_free.png)"
         if language.get("reached"):
             text = f"In progress: {language['reached']}.\n\n{text}"
         write_json(folder / "language.json", language)

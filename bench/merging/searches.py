@@ -171,20 +171,25 @@ def run_search(
             args += ["--cache-dir", str(cache)]
         _run("mergekit-bmm-search", args, folder.with_name(folder.name + ".log"))
     outcome = read_search(folder)
+    outcome["template"] = config["recipe"]
     outcome["best_recipe"] = best_recipe(folder / "best.yml", config["recipe"])
     return outcome
 
 
 def best_recipe(best_yml: Path, template: dict[str, Any]) -> dict[str, Any]:
-    """The search's best recipe as its trials were merged. A ``best.yml`` written before bmm's
-    ``gram_sharing`` default changed leaves the rule out; the folder was found under a template that
-    states it (its key spells the rule out), so the template's rule is written in: the best model's
-    scores are then keyed as the merge they were made from."""
-    recipe = yaml.safe_load(best_yml.read_text(encoding="utf-8"))
+    """The search's best recipe as its trials were merged (:func:`as_merged`)."""
+    return as_merged(yaml.safe_load(best_yml.read_text(encoding="utf-8")), template)
+
+
+def as_merged(recipe: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
+    """A recipe the search wrote (its best, a trial's) as its trials were merged. One written before
+    bmm's ``gram_sharing`` default changed leaves the rule out; the folder was found under a template
+    that states it (its key spells the rule out), so the template's rule is written in: the model is
+    merged again, and its scores keyed, as the merge the search scored."""
     stated = (template.get("parameters") or {}).get("gram_sharing")
-    parameters = recipe.setdefault("parameters", {})
-    if stated is not None and "gram_sharing" not in parameters:
-        parameters["gram_sharing"] = stated
+    if stated is None or recipe.get("merge_method") != "bmm":
+        return recipe
+    recipe.setdefault("parameters", {}).setdefault("gram_sharing", stated)
     return recipe
 
 

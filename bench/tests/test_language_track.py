@@ -305,3 +305,56 @@ def test_label_free_evaluator_reads_the_training_prompts_and_no_label(mc_task, t
     bmm["label_free"] = {"agreement": {"model_id": "d"}, "agreement-last": {"model_id": "e"}}
     assert bmm_models("ties", bmm)["bmm agreement over ties"] == "d"
     assert bmm_models("ties", bmm)["bmm agreement-last over ties"] == "e"
+
+
+def test_a_traced_language_search_reads_every_trial_at_both_positions_against_test(
+    mc_task, tiny_llama, tmp_path, monkeypatch
+):
+    """Each trial of a label-free search re-merged (under the rule its template states), scored on test
+    by lm-eval and read under every objective at every position and at the answer's; rank correlations
+    per reading; a second trace reads everything from the cache; the report shows it."""
+    from types import SimpleNamespace
+
+    import bench.merging.language.label_free_trace as trace_module
+    from bench.merging.config import LabelFreeSpec, LanguageSpec
+    from bench.merging.language.mc_tasks import write_lm_eval_yamls
+    from bench.merging.report.label_free import language_traces, trace_table
+
+    monkeypatch.chdir(tmp_path)
+    base, expert = str(tiny_llama.base), str(tiny_llama.experts[0])
+    template = {
+        "merge_method": "bmm",
+        "base_model": base,
+        "models": [{"model": expert, "parameters": {"weight": 1.0}}],
+        "parameters": {"anchor_method": "task_arithmetic", "lambda": 0.1, "gram_sharing": "weight"},
+        "dtype": "float32",
+    }
+    folder = tmp_path / "search"
+    (folder / "trials").mkdir(parents=True)
+    with open(folder / "trials.jsonl", "w", encoding="utf-8") as log:
+        for trial, lam in enumerate((0.01, 0.1, 1.0)):  # written before the rule was stated
+            recipe = {**template, "parameters": {"anchor_method": "task_arithmetic", "lambda": lam}}
+            (folder / "trials" / f"trial-{trial}.yml").write_text(yaml.safe_dump(recipe))
+            record = {"trial": trial, "status": "ok", "score": lam, "yaml": f"trials/trial-{trial}.yml"}
+            log.write(json.dumps(record) + "\n")
+    config = SimpleNamespace(language=LanguageSpec(max_length=32, eval_batch_size=4))
+    include = write_lm_eval_yamls([mc_task], tmp_path / "yamls")
+    spec = LabelFreeSpec(trace=["task_arithmetic"])
+    args = (config, tmp_path / "cache", spec, folder, template, [mc_task], [tiny_llama.experts[0]], include)
+    found = trace_module.trace_lm_search(*args)
+    assert [t["trial"] for t in found["trials"]] == [0, 1, 2]
+    assert set(found["trials"][0]["positions"]) == {"all", "last"}
+    assert all(0 <= t["test_avg"] <= 1 for t in found["trials"])
+    assert found["trials"][2]["positions"]["all"]["kl"]["mood_mc"] == pytest.approx(
+        0.0, abs=1e-5
+    )  # the expert
+    assert set(found["correlations"]) == {"all", "last"}
+    from bench.merging.label_free_trace import traced_trials  # each merged under the template's rule
+
+    merged = traced_trials(folder, tmp_path / "cache", None, template)
+    assert [recipe["parameters"]["gram_sharing"] for _, recipe, _, _ in merged] == ["weight"] * 3
+    monkeypatch.setattr(trace_module, "run_mergekit", lambda *a: pytest.fail("not from the cache"))
+    assert trace_module.trace_lm_search(*args)["trials"] == found["trials"]
+    language = {"bmm": {"label_free": {"agreement": {"trace": found}}}}  # the dense track's own search
+    text = trace_table(language_traces(language))
+    assert "searched on agreement, read at the answer's position (3)" in text

@@ -23,9 +23,42 @@ def traces(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def language_traces(language: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """``(label, trace)`` of every traced label-free search of the language track, one per reading
+    (every position, the answer's), in the shape of the encoder track's traces."""
+    entries = [("dense experts", "task_arithmetic", language)]
+    entries += [("dense experts", name, entry) for name, entry in (language.get("anchors") or {}).items()]
+    lora = language.get("lora") or {}
+    entries += [("LoRA experts", name, entry) for name, entry in (lora.get("anchors") or {}).items()]
+    out = []
+    for experts, anchor, entry in entries:
+        for objective, record in ((entry.get("bmm") or {}).get("label_free") or {}).items():
+            trace = record.get("trace")
+            for positions in (trace or {}).get("correlations", {}):
+                read = "every position" if positions == "all" else "the answer's position"
+                over = ANCHOR_LABELS.get(anchor, anchor)
+                label = f"{experts}, {over}, searched on {objective}, read at {read}"
+                trials = [{**t, "divergences": t["positions"][positions]} for t in trace["trials"]]
+                out.append(
+                    (
+                        label,
+                        {
+                            "trials": trials,
+                            "base_divergence": trace["base_divergence"][positions],
+                            "correlations": trace["correlations"][positions],
+                        },
+                    )
+                )
+    return out
+
+
 def trace_markdown(results: dict[str, Any]) -> str:
     """Spearman's ρ of each objective (and scale) with the test average over a search's trials."""
-    found = traces(results)
+    return trace_table(traces(results))
+
+
+def trace_table(found: list[tuple[str, dict[str, Any]]]) -> str:
+    """The table of :func:`trace_markdown` for ``(label, trace)`` pairs."""
     if not found:
         return ""
     header = ["search (trials)", *(f"{objective} ({scale})" for objective in OBJECTIVES for scale in SCALES)]
@@ -50,10 +83,19 @@ def trace_markdown(results: dict[str, Any]) -> str:
 @drawn_once(reads=("rows",))
 def plot_trace(results: dict[str, Any], path: Path) -> Path | None:
     """Per traced search: test average against the agreement score (KL, base-scaled), one dot a trial."""
+    return _draw_traces(traces(results), path)
+
+
+@drawn_once(reads=("anchors", "lora", "bmm"))
+def plot_language_trace(language: dict[str, Any], path: Path) -> Path | None:
+    """:func:`plot_trace` for the language track's traced searches, one panel per reading."""
+    return _draw_traces(language_traces(language), path)
+
+
+def _draw_traces(found: list[tuple[str, dict[str, Any]]], path: Path) -> Path | None:
     from bench.merging.label_free_trace import objective_scores
     from bench.merging.report.plots import _pyplot, _save
 
-    found = traces(results)
     if not found:
         return None
     plt = _pyplot()

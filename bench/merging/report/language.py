@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 from bench.merging.report.cells import table_head
+from bench.merging.report.label_free import language_traces, trace_table
 
 
 def _bmm_label(anchor: str, bmm: dict[str, Any]) -> str:
@@ -56,6 +57,9 @@ def language_markdown(language: dict[str, Any]) -> str:
         )
     if language.get("lora"):
         text += "\n\n" + lora_markdown(language["lora"], tasks, row)
+    traced = trace_table(language_traces(language))
+    if traced:
+        text += "\n\n### Does a better agreement mean a better model?\n\n" + traced
     return text
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from bench.merging.cache import write_json
 from bench.merging.report.explain import diagnostics_markdown, sweeps_markdown
-from bench.merging.report.label_free import plot_trace, trace_markdown
+from bench.merging.report.label_free import plot_language_trace, plot_trace, trace_markdown
 from bench.merging.report.language import language_markdown
 from bench.merging.report.plots import (
     plot,
@@ -115,6 +115,8 @@ def write(results: dict[str, Any], folder: Path) -> None:
         lora = results["language"].get("lora") or {}
         if plot_lora_intervals(lora, folder / "lora.png"):
             text += ["![LoRA experts: BMM against each merge of the adapters](lora.png)", ""]
+        if plot_language_trace(results["language"], folder / "language_label_free.png"):
+            text += ["![language track: agreement against test accuracy](language_label_free.png)", ""]
     if results.get("stage_seconds"):
         text += ["## Runtime per stage", "", stage_seconds_markdown(results), ""]
     text += ["## Sizes and timings", "", timings_markdown(results), ""]
