@@ -109,16 +109,19 @@ def trace_search(
                 {"divergences": divergences, "test": {t.name: scores[(t.name, "test")] for t in tasks}},
             )
             shutil.rmtree(work, ignore_errors=True)
-        found = read_json(stored)
-        trials.append(
-            {
-                "trial": record["trial"],
-                "search_score": record["score"],
-                "test_avg": round(mean(list(found["test"].values())), 4),
-                "divergences": found["divergences"],
-            }
-        )
+        trials.append(trial_row(record, read_json(stored), "divergences"))
     return {"trials": trials, "base_divergence": gaps, "correlations": correlations(trials, gaps)}
+
+
+def trial_row(record: dict[str, Any], found: dict[str, Any], reading: str) -> dict[str, Any]:
+    """A traced trial as the report reads it: its number, search score, test average and what was
+    stored of it under ``reading`` (its divergences)."""
+    return {
+        "trial": record["trial"],
+        "search_score": record["score"],
+        "test_avg": round(mean(list(found["test"].values())), 4),
+        reading: found[reading],
+    }
 
 
 def objective_scores(trial: dict[str, Any], gaps: dict[str, dict[str, float]]) -> dict[str, float]:

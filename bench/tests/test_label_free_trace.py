@@ -6,7 +6,7 @@ import json
 
 import yaml
 
-from bench.merging.label_free_trace import _traced
+from bench.merging.label_free_trace import traced_trials
 
 
 def _search(folder, scores: list[float]) -> None:
@@ -25,11 +25,15 @@ def _search(folder, scores: list[float]) -> None:
 def test_a_trace_budget_spreads_over_the_search_keeps_its_best_and_what_was_traced(tmp_path):
     scores = [0.1 * (i % 7) for i in range(40)]  # best: trial 6 (the first 0.6)
     _search(tmp_path / "search", scores)
-    every = _traced(tmp_path / "search", tmp_path / "cache", None)
+
+    def trials(limit):
+        return traced_trials(tmp_path / "search", tmp_path / "cache", limit, {})
+
+    every = trials(None)
     assert [record["trial"] for record, *_ in every] == list(range(40))
-    picked = [record["trial"] for record, *_ in _traced(tmp_path / "search", tmp_path / "cache", 5)]
+    picked = [record["trial"] for record, *_ in trials(5)]
     assert picked == [0, 6, 10, 20, 29, 39]  # evenly spaced, both ends, and the best
     stored = every[13][3]  # a trial traced by an earlier run is kept: its scores cost nothing
     stored.parent.mkdir(parents=True)
     stored.write_text("{}")
-    assert 13 in [record["trial"] for record, *_ in _traced(tmp_path / "search", tmp_path / "cache", 5)]
+    assert 13 in [record["trial"] for record, *_ in trials(5)]

@@ -118,10 +118,4 @@ def label_free_searches(
             "scores": summarize(scores),
             "search": str(folder),
         }
-        if anchor in free.trace:  # every traced trial against test: does the objective transfer?
-            from bench.merging.language.label_free_trace import trace_lm_search
-
-            out[free.name]["trace"] = trace_lm_search(
-                config, cache_dir, free, folder, found["template"], tasks, experts, include
-            )
     return out

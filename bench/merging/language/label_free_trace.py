@@ -15,11 +15,10 @@ from typing import Any
 
 from bench.merging.cache import ScoreCache, read_json, stable_key, write_json
 from bench.merging.config import LabelFreeSpec, RunConfig
-from bench.merging.label_free_trace import OBJECTIVES, correlations, traced_trials
+from bench.merging.label_free_trace import OBJECTIVES, correlations, traced_trials, trial_row
 from bench.merging.language.label_free import label_free_evaluator
 from bench.merging.language.lm_eval_runner import score_lm
 from bench.merging.merging import run_mergekit
-from bench.merging.scoring import mean
 
 POSITIONS = ("all", "last")
 
@@ -77,15 +76,7 @@ def trace_lm_search(
             test = {t.name: scores[(t.name, "test")] for t in tasks}
             write_json(stored, {"positions": divergences, "test": test})
             shutil.rmtree(work, ignore_errors=True)
-        found = read_json(stored)
-        trials.append(
-            {
-                "trial": record["trial"],
-                "search_score": record["score"],
-                "test_avg": round(mean(list(found["test"].values())), 4),
-                "positions": found["positions"],
-            }
-        )
+        trials.append(trial_row(record, read_json(stored), "positions"))
     return {
         "trials": trials,
         "base_divergence": gaps,

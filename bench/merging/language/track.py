@@ -322,6 +322,14 @@ def _bmm_over_anchor(
         if setting == "data_free"
         else {}
     )
+    for free in (search_spec or spec.search).label_free:  # every traced trial against test
+        if anchor in free.trace and free.name in label_free:
+            from bench.merging.language.label_free_trace import trace_lm_search
+
+            folder = Path(label_free[free.name]["search"])
+            label_free[free.name]["trace"] = trace_lm_search(
+                config, cache_dir, free, folder, template, tasks, experts, include
+            )
     return {
         **({"label_free": label_free} if label_free else {}),
         "anchor": anchor,
