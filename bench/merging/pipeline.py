@@ -162,8 +162,9 @@ def run_benchmark(
         done = ", ".join(settings[:i])
 
         def after_cell(anchor: str, setting: str = setting, done: str = done) -> None:
-            # every finished cell in the report: a session that ends mid-stage leaves them
-            if anchor != config.search.anchors[-1] and stop > STAGES.index("bmm"):
+            # every finished cell in the report: a session that ends mid-stage leaves them (a run that
+            # stops after this stage spans sessions too)
+            if anchor != config.search.anchors[-1] and stop >= STAGES.index("bmm"):
                 checkpoint("bmm", f"bmm: {done + '; ' if done else ''}{setting} up to {anchor}")
 
         if stop >= STAGES.index("bmm") and config.search.anchors:
@@ -172,7 +173,7 @@ def run_benchmark(
         if setting == config.ablation.setting and stop >= STAGES.index("ablation") and config.ablation.anchor:
             with clock.stage("ablation"):
                 ablation_stage(config, cache_dir, art, results)
-        if stop > STAGES.index("bmm") and i < len(settings) - 1:
+        if stop >= STAGES.index("bmm") and i < len(settings) - 1:
             reached = "ablation" if results.get("ablation") else "bmm"
             checkpoint(reached, f"bmm: {', '.join(settings[: i + 1])} searches only")
     later_stages = config.variants or config.language.enabled  # nothing after: the final report follows

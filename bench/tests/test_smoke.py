@@ -524,7 +524,9 @@ def test_label_free_searches_beside_the_labelled_one(tiny_run, tmp_path):
     # the main searches themselves label-free: another search folder, its evaluator the agreement one
     config["search"].update({"objective": "agreement", "label_free": [], "oracle": None})
     path.write_text(yaml.safe_dump(config))
-    assert run_cli(path, tmp_path, "--until", "bmm").exit_code == 0
+    result = run_cli(path, tmp_path, "--until", "bmm")
+    assert result.exit_code == 0
+    assert "(up to bmm; bmm: data_free up to pretrained)" in result.output  # stopping at bmm: still reports
     results = json.loads((tmp_path / "results" / "smoke" / "results.json").read_text())
     row = next(r for r in results["rows"] if r["setting"] == "data_free" and r["anchor"] == "task_arithmetic")
     assert "agreement-task_arithmetic" in row["seeds"][0]["search"]
