@@ -91,15 +91,21 @@ def expert_alignment(stats: Path, base: Path, experts: list[Path], cache_dir: Pa
     return out
 
 
+def _per_checkpoints(folder: Path, base: Path, experts: dict[str, Path]) -> Path:
+    """Where a figure of these checkpoints is kept: keyed by their fingerprints, so a retrained
+    expert is measured again."""
+    key = stable_key(
+        {"base": model_fingerprint(base), "experts": {t: model_fingerprint(e) for t, e in experts.items()}}
+    )
+    return folder / f"{key}.json"
+
+
 def task_update_norms(base: Path, experts: dict[str, Path], cache_dir: Path) -> dict[str, Any]:
     """Per task, ``‖U_t‖_F`` over the solved weights and per group, and its share of the data-free
     Gram's trace; cached by the checkpoints' fingerprints."""
     from bench.task_vector_norms import squared_norms
 
-    key = stable_key(
-        {"base": model_fingerprint(base), "experts": {t: model_fingerprint(e) for t, e in experts.items()}}
-    )
-    path = cache_dir / "task_norms" / f"{key}.json"
+    path = _per_checkpoints(cache_dir / "task_norms", base, experts)
     if path.is_file():
         return read_json(path)
     pre, model_type = load_state_dict(base), model_type_of(base)
@@ -122,10 +128,7 @@ def task_vector_cosines(base: Path, experts: dict[str, Path], cache_dir: Path) -
     ``U_s``, ``U_t`` over every solved weight (0: orthogonal updates, little interference for Task
     Arithmetic to average away; negative: updates that undo each other), their mean, the most
     aligned and the most opposed pair; cached by the checkpoints' fingerprints."""
-    key = stable_key(
-        {"base": model_fingerprint(base), "experts": {t: model_fingerprint(e) for t, e in experts.items()}}
-    )
-    path = cache_dir / "task_cosines" / f"{key}.json"
+    path = _per_checkpoints(cache_dir / "task_cosines", base, experts)
     if path.is_file():
         return read_json(path)
     pre, model_type = load_state_dict(base), model_type_of(base)
