@@ -142,9 +142,9 @@ def weight_shapes_of(reference: str | Path) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of a local checkpoint (safetensors headers only). Kept per shard
     file, size and modification time: the merge asks once for every weight that reads a shared
     input, and a rewritten shard is read again."""
+    paths = sorted(local_model_dir(reference).glob("*.safetensors"))
     shards = tuple(
-        (str(path), path.stat().st_size, path.stat().st_mtime_ns)
-        for path in sorted(local_model_dir(reference).glob("*.safetensors"))
+        (str(path), stat.st_size, stat.st_mtime_ns) for path, stat in ((p, p.stat()) for p in paths)
     )
     return dict(_header_shapes(shards))
 
