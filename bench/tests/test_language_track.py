@@ -305,6 +305,8 @@ def test_label_free_evaluator_reads_the_training_prompts_and_no_label(mc_task, t
     bmm["label_free"] = {"agreement": {"model_id": "d"}, "agreement-last": {"model_id": "e"}}
     assert bmm_models("ties", bmm)["bmm agreement over ties"] == "d"
     assert bmm_models("ties", bmm)["bmm agreement-last over ties"] == "e"
+    del bmm["auto"]  # `search.evidence_lambda: false`: no merge at lambda: auto, nothing to pair
+    assert "bmm auto over ties" not in bmm_models("ties", bmm)
 
 
 def test_a_traced_language_search_reads_every_trial_at_both_positions_against_test(

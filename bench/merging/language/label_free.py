@@ -27,8 +27,9 @@ def bmm_models(anchor: str, bmm: dict[str, Any], setting: str = "data_free") -> 
     models = {
         f"bmm{mode} over {anchor}": bmm["model_id"],
         f"bmm{mode} defaults over {anchor}": bmm["defaults"]["model_id"],
-        f"bmm{mode} auto over {anchor}": bmm["auto"]["model_id"],
     }
+    if bmm.get("auto"):  # λ from the evidence (search.evidence_lambda)
+        models[f"bmm{mode} auto over {anchor}"] = bmm["auto"]["model_id"]
     if bmm.get("candidate"):  # a proposed no-search default (e.g. low_rank_rows: adapters)
         models[f"bmm{mode} candidate over {anchor}"] = bmm["candidate"]["model_id"]
     for objective, entry in (bmm.get("label_free") or {}).items():

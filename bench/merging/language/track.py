@@ -305,10 +305,12 @@ def _bmm_over_anchor(
     # BMM at its defaults: the search's recipe with no λ or s, one merge and no trials
     work = cache_dir / "language" / "merges" / "work"
     defaults = merge_and_score_lm(template, jobs, include, cache, batch, limit, work, {})
-    # λ from the evidence, s 1: one merge, no validation data
+    # λ from the evidence, s 1: one merge, no validation data (search.evidence_lambda)
     automatic = {**template, "parameters": {**template["parameters"], "lambda": "auto"}}
     chosen: dict[str, Any] = {}
-    auto = merge_and_score_lm(automatic, jobs, include, cache, batch, limit, work, {}, chosen)
+    auto = None
+    if search_spec.evidence_lambda:
+        auto = merge_and_score_lm(automatic, jobs, include, cache, batch, limit, work, {}, chosen)
     # a proposed no-search default for this setting (search.default_candidates): one merge
     proposed = search_spec.default_candidates.get(setting)
     candidate = None
@@ -342,7 +344,7 @@ def _bmm_over_anchor(
         "scores": summarize(scores),
         "search": str(folder),
         "defaults": {"model_id": recipe_key(template), "scores": summarize(defaults)},
-        "auto": {"model_id": recipe_key(automatic), "scores": summarize(auto), **chosen},
+        **({"auto": {"model_id": recipe_key(automatic), "scores": summarize(auto), **chosen}} if auto else {}),
     }
 
 
