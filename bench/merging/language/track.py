@@ -310,7 +310,8 @@ def _bmm_over_anchor(
     chosen: dict[str, Any] = {}
     auto = None
     if search_spec.evidence_lambda:
-        auto = merge_and_score_lm(automatic, jobs, include, cache, batch, limit, work, {}, chosen)
+        scores = merge_and_score_lm(automatic, jobs, include, cache, batch, limit, work, {}, chosen)
+        auto = {"model_id": recipe_key(automatic), "scores": summarize(scores), **chosen}
     # a proposed no-search default for this setting (search.default_candidates): one merge
     proposed = search_spec.default_candidates.get(setting)
     candidate = None
@@ -344,7 +345,7 @@ def _bmm_over_anchor(
         "scores": summarize(scores),
         "search": str(folder),
         "defaults": {"model_id": recipe_key(template), "scores": summarize(defaults)},
-        **({"auto": {"model_id": recipe_key(automatic), "scores": summarize(auto), **chosen}} if auto else {}),
+        **({"auto": auto} if auto else {}),
     }
 
 
