@@ -212,6 +212,7 @@ def run_lora_track(
     for variant in spec.knots:
         out["knots"][variant] = tuned_knots(variant, spec, model_dir, ordered, scoring, cache_dir)
         models[f"knots {variant}"] = out["knots"][variant]["model_id"]
+        reached(f"LoRA: KnOTS up to {variant}")
     out["intervals"] = intervals(models, scoring, label_free)
     return out
 
