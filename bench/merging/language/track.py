@@ -83,8 +83,9 @@ def run_language_track(
     models = {"pretrained": model_fp}  # model ids of what the intervals compare
     expert_ids: dict[str, str] = {}
     label_free: list[tuple[str, str]] = []  # each search that read no labels against its peers
+    experts: dict[str, Path] = {}  # none in a run for the LoRA track (`dense: false`)
     if spec.dense:  # the dense experts, Task Arithmetic of them and BMM over it, the other anchors
-        experts, out["experts"], out["indiv"] = {}, {}, {}
+        out["experts"], out["indiv"] = {}, {}
         for task in tqdm(tasks, desc="LM experts", leave=False):
             path, record, cached = build_lm_expert(
                 task, model_dir, model_fp, spec.finetune, spec.max_length, cache_dir
