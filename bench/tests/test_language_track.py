@@ -360,3 +360,40 @@ def test_a_traced_language_search_reads_every_trial_at_both_positions_against_te
     language = {"bmm": {"label_free": {"agreement": {"trace": found}}}}  # the dense track's own search
     text = trace_table(language_traces(language))
     assert "searched on agreement, read at the answer's position (3)" in text
+
+
+def test_a_run_with_no_dense_experts_finishes_and_writes_its_record(mc_task, tiny_llama, tmp_path):
+    """`language.dense: false` (a run for the LoRA track): the pretrained model is scored and the
+    run's record written with no expert in it (it once failed after every cell was scored)."""
+    import json
+
+    from bench.merging.config import RunConfig
+    from bench.merging.language.track import run_language_track
+
+    task = {
+        "name": "mood_mc",
+        "jsonl": str(tmp_path / "mood.jsonl"),
+        "choices": {"0": "negative", "1": "positive"},
+    }
+    task.update(
+        prompt="Text: {text}\nQuestion: positive or negative?\nAnswer:", train=20, validation=5, test=10
+    )
+    config = RunConfig.model_validate(
+        {
+            "name": "no_dense",
+            "tasks": [{"name": "rt_sentiment", "descriptions": {"fresh": "good", "rotten": "bad"}}],
+            "language": {
+                "enabled": True,
+                "name": "tiny",
+                "wheel": None,
+                "path": str(tiny_llama.base),
+                "dense": False,
+                "eval_batch_size": 4,
+                "tasks": [task],
+            },
+        }
+    )
+    out = run_language_track(config, tmp_path / "cache")
+    assert set(out["pretrained"]) == {"mood_mc"} and "indiv" not in out
+    record = json.loads((tmp_path / "cache" / "runs" / "no_dense" / "language.json").read_text())
+    assert record["experts"] == {}
