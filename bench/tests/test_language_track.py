@@ -397,3 +397,70 @@ def test_a_run_with_no_dense_experts_finishes_and_writes_its_record(mc_task, tin
     assert set(out["pretrained"]) == {"mood_mc"} and "indiv" not in out
     record = json.loads((tmp_path / "cache" / "runs" / "no_dense" / "language.json").read_text())
     assert record["experts"] == {}
+
+
+def test_a_lora_run_checkpoints_each_search_over_an_anchor(mc_task, tiny_llama, tmp_path):
+    """A LoRA cell's searches take hours each on a CPU: the run's checkpoint sees the anchor once tuned,
+    then after each search (labelled, then each with no labels), so a stopped run keeps what it found."""
+    import copy
+
+    from bench.merging.config import RunConfig
+    from bench.merging.language.track import run_language_track
+    from bench.merging.report import language_markdown
+
+    task = {
+        "name": "mood_mc",
+        "jsonl": str(tmp_path / "mood.jsonl"),
+        "choices": {"0": "negative", "1": "positive"},
+        "prompt": "Text: {text}\nQuestion: positive or negative?\nAnswer:",
+        "train": 20,
+        "validation": 5,
+        "test": 10,
+    }
+    search = {"settings": ["data_free"], "budget": 1, "n_initial": 1, "blocks": 1, "evidence_lambda": False}
+    search["groups"] = ["attn_in+attn_out+mlp_in+mlp_out"]
+    search["label_free"] = [{"objective": "agreement", "anchors": ["ta"], "max_samples": 4}]
+    lora = {
+        "enabled": True,
+        "rank": 2,
+        "alpha": 4,
+        "targets": ["q_proj", "v_proj"],
+        "finetune": {"steps": 1, "batch_size": 4, "lr": 1e-3, "warmup_fraction": 0.0, "threads": 1},
+        "anchors": [{"name": "ta", "method": "task_arithmetic", "model_parameters": {"weight": 0.5}}],
+        "peft_methods": [],
+        "knots": [],
+        "search": search,
+    }
+    language = {"enabled": True, "name": "tiny", "wheel": None, "path": str(tiny_llama.base), "dense": False}
+    language.update(eval_batch_size=4, max_length=48, tasks=[task], lora=lora)
+    config = RunConfig.model_validate(
+        {
+            "name": "lora_checkpoints",
+            "tasks": [{"name": "rt_sentiment", "descriptions": {"fresh": "good", "rotten": "bad"}}],
+            "language": language,
+        }
+    )
+    notes: list[str] = []
+    seen: list[dict] = []
+    tables: list[str] = []
+
+    def checkpoint(results: dict) -> None:
+        notes.append(results["reached"])
+        seen.append(copy.deepcopy(results["lora"]))  # as the report writes it, at that moment
+        tables.append(language_markdown(results))
+
+    out = run_language_track(config, tmp_path / "cache", checkpoint)
+    assert notes == [
+        "LoRA: ta, tuned",
+        "LoRA: ta, searched data_free",
+        "LoRA: ta, searched data_free, agreement (no labels)",
+        "LoRA: anchors up to ta",
+    ]
+    assert "bmm" not in seen[0]["anchors"]["ta"] and "label_free" not in seen[1]["anchors"]["ta"]["bmm"]
+    assert "bmm agreement over ta - bmm over ta" in seen[2]["intervals"]  # paired at the checkpoint
+    row = "BMM over ta searched with no labels (agreement)"
+    assert row not in tables[1] and row in tables[2] and "ta + BMM (data-free, K=1" in tables[1]
+    assert (
+        out["lora"]["anchors"]["ta"]["bmm"]["label_free"]["agreement"]
+        == seen[2]["anchors"]["ta"]["bmm"]["label_free"]["agreement"]
+    )

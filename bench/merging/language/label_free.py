@@ -7,6 +7,7 @@ scored with lm-eval on validation and test like every other model of the track.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +95,11 @@ def label_free_searches(
     include,
     jobs,
     search_spec=None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per label-free objective configured for ``anchor``: the search (same K and seed as the labelled
-    one, ``search_spec`` or the language track's) and its best model's lm-eval scores."""
+    one, ``search_spec`` or the language track's) and its best model's lm-eval scores; ``progress`` is
+    handed those found so far after each search (a run of several sessions keeps each one)."""
     spec = config.language
     search_spec = search_spec or spec.search
     cache, limit, batch = ScoreCache(cache_dir), spec.eval_limit, spec.eval_batch_size
@@ -119,4 +122,6 @@ def label_free_searches(
             "scores": summarize(scores),
             "search": str(folder),
         }
+        if progress is not None:
+            progress(dict(out))
     return out

@@ -194,14 +194,27 @@ def run_lora_track(
     if set(search.settings) - {"data_free"} or any(a.method == "regmean" for a in spec.anchors):
         stats = expert_statistics(cache_dir, experts, tasks, language.max_length)
     for anchor_spec in spec.anchors:
+        name = anchor_spec.name
+
+        def partial(entry: dict[str, Any], name: str = name, earlier: tuple = tuple(label_free)) -> None:
+            """An anchor's cell so far (tuned, then each search over it), in the checkpoint's table."""
+            out["anchors"][name] = entry
+            found = {**models, name: entry["model_id"], **every_bmm_model(name, entry)}
+            if checkpoint is not None:
+                table = {
+                    **out,
+                    "intervals": intervals(found, scoring, [*earlier, *label_free_pairs(name, entry)]),
+                }
+                checkpoint(table, f"LoRA: {name}, {searches_done(entry)}")
+
         anchor = tuned_anchor(
-            config, cache_dir, anchor_spec, model_dir, experts, tasks, include, {}, search, stats
+            config, cache_dir, anchor_spec, model_dir, experts, tasks, include, {}, search, stats, partial
         )
-        out["anchors"][anchor_spec.name] = anchor
-        models[anchor_spec.name] = anchor["model_id"]
-        models.update(every_bmm_model(anchor_spec.name, anchor))
-        label_free += label_free_pairs(anchor_spec.name, anchor)
-        reached(f"LoRA: anchors up to {anchor_spec.name}")
+        out["anchors"][name] = anchor
+        models[name] = anchor["model_id"]
+        models.update(every_bmm_model(name, anchor))
+        label_free += label_free_pairs(name, anchor)
+        reached(f"LoRA: anchors up to {name}")
     out["peft"] = {}
     ordered = [adapters[t.name] for t in tasks]
     for method in spec.peft_methods:
@@ -215,6 +228,14 @@ def run_lora_track(
         reached(f"LoRA: KnOTS up to {variant}")
     out["intervals"] = intervals(models, scoring, label_free)
     return out
+
+
+def searches_done(entry: dict[str, Any]) -> str:
+    """Which searches over an anchor have finished (a checkpoint's note)."""
+    done = ["data_free"] if "bmm" in entry else []
+    done += [f"{objective} (no labels)" for objective in (entry.get("bmm") or {}).get("label_free", {})]
+    done += list(entry.get("bmm_settings", {}))
+    return f"searched {', '.join(done)}" if done else "tuned"
 
 
 def tuned_peft(method: str, spec, model_dir: Path, adapters: list[Path], scoring: Scoring, cache_dir: Path):

@@ -40,6 +40,8 @@ from bench.merging.merging import (
 )
 from bench.merging.scoring import mean
 
+Progress = Callable[[dict[str, Any]], None]  # handed the results so far, at each checkpoint
+
 
 def say(message: str) -> None:
     tqdm.write(message)
@@ -195,10 +197,12 @@ def tuned_anchor(
     timings,
     search=None,
     stats: Path | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """An anchor's own scale tuned on validation (as for the encoder track), its test scores, and
     BMM over it in each of ``search``'s settings (default: the language track's search, data-free);
-    ``stats`` serve the data-assisted settings and a ``regmean`` anchor."""
+    ``stats`` serve the data-assisted settings and a ``regmean`` anchor; ``progress`` is handed the
+    anchor's entry so far once it is tuned and after each search over it."""
     spec = config.language
     search = search or spec.search
     cache = ScoreCache(cache_dir)
@@ -240,21 +244,30 @@ def tuned_anchor(
         "scores": summarize(scores),
     }
     if search.budget > 0 and (not search.anchors or anchor_spec.name in search.anchors):
+        if progress is not None:
+            progress(out)
         over = (config, cache_dir, model_dir, anchor_spec.name, tuned["folder"], experts, tasks, include)
-        out.update(bmm_over(over, timings, search, stats))
+        seen = None if progress is None else (lambda found: progress({**out, **found}))
+        out.update(bmm_over(over, timings, search, stats, seen))
     return out
 
 
-def bmm_over(over: tuple, timings, search, stats: Path | None) -> dict[str, Any]:
+def bmm_over(
+    over: tuple, timings, search, stats: Path | None, progress: Progress | None = None
+) -> dict[str, Any]:
     """BMM over one kept anchor in each of ``search``'s settings: ``bmm`` (data-free) and
-    ``bmm_settings`` (data-assisted, mix: from the experts' statistics)."""
+    ``bmm_settings`` (data-assisted, mix: from the experts' statistics); ``progress`` is handed what
+    is found so far after each search."""
     out: dict[str, Any] = {}
-    for setting in search.settings:
-        found = _bmm_over_anchor(*over, timings, search, setting, stats)
+
+    def place(found: dict[str, Any], setting: str) -> dict[str, Any]:
         if setting == "data_free":
-            out["bmm"] = found
-        else:
-            out.setdefault("bmm_settings", {})[setting] = found
+            return {**out, "bmm": found}
+        return {**out, "bmm_settings": {**out.get("bmm_settings", {}), setting: found}}
+
+    for setting in search.settings:
+        seen = None if progress is None else (lambda found, s=setting: progress(place(found, s)))
+        out = place(_bmm_over_anchor(*over, timings, search, setting, stats, seen), setting)
     return out
 
 
@@ -271,8 +284,10 @@ def _bmm_over_anchor(
     search_spec,
     setting: str = "data_free",
     stats: Path | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """BMM (``setting``) over a kept anchor merge, λ/s from ``mergekit-bmm-search`` with lm-eval."""
+    """BMM (``setting``) over a kept anchor merge, λ/s from ``mergekit-bmm-search`` with lm-eval;
+    ``progress`` sees the labelled search's result before the label-free ones run, then each of them."""
     from bench.merging.cache import stable_key
     from bench.merging.searches import bmm_template, keyed_search, run_search, search_config
 
@@ -321,21 +336,7 @@ def _bmm_over_anchor(
         found = merge_and_score_lm(recipe, jobs, include, cache, batch, limit, work, {})
         candidate = {"model_id": recipe_key(recipe), "parameters": dict(proposed), "scores": summarize(found)}
     shutil.rmtree(work, ignore_errors=True)
-    label_free = (
-        label_free_searches(config, cache_dir, anchor, template, tasks, experts, include, jobs, search_spec)
-        if setting == "data_free"
-        else {}
-    )
-    for free in (search_spec or spec.search).label_free:  # every traced trial against test
-        if anchor in free.trace and free.name in label_free:
-            from bench.merging.language.label_free_trace import trace_lm_search
-
-            folder = Path(label_free[free.name]["search"])
-            label_free[free.name]["trace"] = trace_lm_search(
-                config, cache_dir, free, folder, template, tasks, experts, include
-            )
-    return {
-        **({"label_free": label_free} if label_free else {}),
+    found = {
         "anchor": anchor,
         "model_id": model_id,
         "setting": setting,
@@ -348,6 +349,25 @@ def _bmm_over_anchor(
         "defaults": {"model_id": recipe_key(template), "scores": summarize(defaults)},
         **({"auto": auto} if auto else {}),
     }
+    if progress is not None:
+        progress(found)
+    seen = None if progress is None else (lambda free: progress({"label_free": free, **found}))
+    label_free = (
+        label_free_searches(
+            config, cache_dir, anchor, template, tasks, experts, include, jobs, search_spec, seen
+        )
+        if setting == "data_free"
+        else {}
+    )
+    for free in (search_spec or spec.search).label_free:  # every traced trial against test
+        if anchor in free.trace and free.name in label_free:
+            from bench.merging.language.label_free_trace import trace_lm_search
+
+            folder = Path(label_free[free.name]["search"])
+            label_free[free.name]["trace"] = trace_lm_search(
+                config, cache_dir, free, folder, template, tasks, experts, include
+            )
+    return {**({"label_free": label_free} if label_free else {}), **found}
 
 
 def _intervals(
