@@ -336,7 +336,7 @@ def _bmm_over_anchor(
         found = merge_and_score_lm(recipe, jobs, include, cache, batch, limit, work, {})
         candidate = {"model_id": recipe_key(recipe), "parameters": dict(proposed), "scores": summarize(found)}
     shutil.rmtree(work, ignore_errors=True)
-    found = {
+    cell = {
         "anchor": anchor,
         "model_id": model_id,
         "setting": setting,
@@ -350,8 +350,8 @@ def _bmm_over_anchor(
         **({"auto": auto} if auto else {}),
     }
     if progress is not None:
-        progress(found)
-    seen = None if progress is None else (lambda free: progress({"label_free": free, **found}))
+        progress(cell)
+    seen = None if progress is None else (lambda free: progress({"label_free": free, **cell}))
     label_free = (
         label_free_searches(
             config, cache_dir, anchor, template, tasks, experts, include, jobs, search_spec, seen
@@ -367,7 +367,7 @@ def _bmm_over_anchor(
             label_free[free.name]["trace"] = trace_lm_search(
                 config, cache_dir, free, folder, template, tasks, experts, include
             )
-    return {**({"label_free": label_free} if label_free else {}), **found}
+    return {**({"label_free": label_free} if label_free else {}), **cell}
 
 
 def _intervals(
