@@ -185,9 +185,11 @@ def run_lora_track(
     label_free: list[tuple[str, str]] = []  # each search that read no labels against its peers
     out["anchors"] = {}
 
-    def reached(note: str) -> None:
+    def reached(note: str, more_models: dict[str, str] | None = None, more_pairs: Sequence = ()) -> None:
+        """The table so far to ``checkpoint``, with the models and pairs of a cell still being filled."""
         if checkpoint is not None:
-            checkpoint({**out, "intervals": intervals(models, scoring, label_free)}, note)
+            found = {**models, **(more_models or {})}
+            checkpoint({**out, "intervals": intervals(found, scoring, [*label_free, *more_pairs])}, note)
 
     search = spec.search or language.search
     stats = None  # the adapters' statistics: data-assisted and mix BMM, RegMean
@@ -196,19 +198,15 @@ def run_lora_track(
     for anchor_spec in spec.anchors:
         name = anchor_spec.name
 
-        def partial(entry: dict[str, Any], name: str = name, earlier: tuple = tuple(label_free)) -> None:
+        def partial(entry: dict[str, Any], name: str = name) -> None:
             """An anchor's cell so far (tuned, then each search over it), in the checkpoint's table."""
             out["anchors"][name] = entry
-            found = {**models, name: entry["model_id"], **every_bmm_model(name, entry)}
-            if checkpoint is not None:
-                table = {
-                    **out,
-                    "intervals": intervals(found, scoring, [*earlier, *label_free_pairs(name, entry)]),
-                }
-                checkpoint(table, f"LoRA: {name}, {searches_done(entry)}")
+            cell_models = {name: entry["model_id"], **every_bmm_model(name, entry)}
+            reached(f"LoRA: {name}, {searches_done(entry)}", cell_models, label_free_pairs(name, entry))
 
+        progress = partial if checkpoint is not None else None
         anchor = tuned_anchor(
-            config, cache_dir, anchor_spec, model_dir, experts, tasks, include, {}, search, stats, partial
+            config, cache_dir, anchor_spec, model_dir, experts, tasks, include, {}, search, stats, progress
         )
         out["anchors"][name] = anchor
         models[name] = anchor["model_id"]
