@@ -417,7 +417,7 @@ def test_a_lora_run_checkpoints_each_search_over_an_anchor(mc_task, tiny_llama, 
         "validation": 5,
         "test": 10,
     }
-    search = {"settings": ["data_free"], "budget": 1, "n_initial": 1, "blocks": 1, "evidence_lambda": False}
+    search = {"settings": ["data_free"], "budget": 1, "n_initial": 1, "blocks": 1, "evidence_lambda": True}
     search["groups"] = ["attn_in+attn_out+mlp_in+mlp_out"]
     search["label_free"] = [{"objective": "agreement", "anchors": ["ta"], "max_samples": 4}]
     lora = {
@@ -464,3 +464,13 @@ def test_a_lora_run_checkpoints_each_search_over_an_anchor(mc_task, tiny_llama, 
         out["lora"]["anchors"]["ta"]["bmm"]["label_free"]["agreement"]
         == seen[2]["anchors"]["ta"]["bmm"]["label_free"]["agreement"]
     )
+    # each row shows its own model's accuracy as scored (the searched row once showed the lambda: auto
+    # merge's; on this tiny run the merges score alike, so this states the contract)
+    scored = {}
+    for path in (tmp_path / "cache" / "scores").glob("*.json"):
+        record = json.loads(path.read_text())
+        if record["key"].get("split") == "test" and "lm_eval_task" in record["key"]:
+            scored[record["key"]["model"]] = record["accuracy"]
+    bmm = out["lora"]["anchors"]["ta"]["bmm"]
+    for cell in (bmm, bmm["auto"], bmm["defaults"]):
+        assert cell["scores"]["mood_mc"]["test"] == round(scored[cell["model_id"]], 4)

@@ -322,12 +322,12 @@ def _bmm_over_anchor(
     work = cache_dir / "language" / "merges" / "work"
     defaults = merge_and_score_lm(template, jobs, include, cache, batch, limit, work, {})
     # λ from the evidence, s 1: one merge, no validation data (search.evidence_lambda)
-    automatic = {**template, "parameters": {**template["parameters"], "lambda": "auto"}}
-    chosen: dict[str, Any] = {}
     auto = None
     if search_spec.evidence_lambda:
-        scores = merge_and_score_lm(automatic, jobs, include, cache, batch, limit, work, {}, chosen)
-        auto = {"model_id": recipe_key(automatic), "scores": summarize(scores), **chosen}
+        automatic = {**template, "parameters": {**template["parameters"], "lambda": "auto"}}
+        chosen: dict[str, Any] = {}
+        at_auto = merge_and_score_lm(automatic, jobs, include, cache, batch, limit, work, {}, chosen)
+        auto = {"model_id": recipe_key(automatic), "scores": summarize(at_auto), **chosen}
     # a proposed no-search default for this setting (search.default_candidates): one merge
     proposed = search_spec.default_candidates.get(setting)
     candidate = None
