@@ -61,3 +61,20 @@ def test_skipped_stages_are_switched_off_and_named_in_the_report():
     line = stage_line({"stage_reached": "bmm", "stages_skipped": ["sweeps"]})
     assert line.startswith("Stages run: data, heads, experts, scores, task_arithmetic, anchors, bmm;")
     assert "not yet run: ablation, variants, language; skipped: sweeps." in line
+
+
+def test_the_curve_takes_a_run_s_task_cosine_from_the_nested_run_that_recorded_it():
+    from bench.merging.report.curve import curve_markdown, curve_points
+
+    pairs = {"a / b": 0.1, "a / c": -0.2, "b / c": 0.4, "a / d": 0.0, "b / d": 0.0, "c / d": 0.0}
+    small = {"name": "four", "tasks": ["a", "b", "c"], "rows": []}  # recorded no cosines (an older run)
+    large = {
+        "name": "many",
+        "tasks": ["a", "b", "c", "d"],
+        "rows": [],
+        "task_cosines": {"mean": 0.05, "pairs": pairs},
+    }
+    points = curve_points([large, small])
+    assert [p["task_cosine"] for p in points] == [0.1, 0.05]  # (0.1 − 0.2 + 0.4) / 3: its own three pairs
+    assert points[0]["task_cosine_from"] == "many" and points[1]["task_cosine_from"] is None
+    assert "+0.100 (many's pairs)" in curve_markdown(points)

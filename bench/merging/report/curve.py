@@ -24,6 +24,24 @@ def _cell(results: dict[str, Any], anchor: str, mode: str) -> dict[str, Any]:
     return next((c for c in results.get("summary") or [] if (c["anchor"], c["mode"]) == (anchor, mode)), {})
 
 
+def _mean_cosine(results: dict[str, Any], runs: list[dict[str, Any]]) -> tuple[float | None, str | None]:
+    """The run's mean pairwise task-vector cosine, or, for a run that did not record it (zeroshot8's
+    first), the mean over its own pairs in a run of more tasks that did: nested runs share their experts
+    (one cache, one key per task), so a pair's cosine is the same in both. The second item names that run."""
+    own = (results.get("task_cosines") or {}).get("mean")
+    if own is not None:
+        return own, None
+    tasks = set(results["tasks"])
+    for other in runs:
+        pairs = (other.get("task_cosines") or {}).get("pairs") or {}
+        if other is results or not tasks <= set(other["tasks"]) or not pairs:
+            continue
+        mine = [value for pair, value in pairs.items() if set(pair.split(" / ")) <= tasks]
+        if len(mine) == len(tasks) * (len(tasks) - 1) // 2:
+            return round(sum(mine) / len(mine), 4), other["name"]
+    return None, None
+
+
 def curve_points(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One point per run, ordered by its number of tasks: each model's share of the range, and BMM over
     ISO-CTS against ISO-CTS (paired Δ and interval), searched, at its defaults and by the oracle."""
@@ -58,14 +76,15 @@ def curve_points(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "low": cell["oracle_delta_low"],
                         "high": cell["oracle_delta_high"],
                     }
-        cosines = results.get("task_cosines") or {}
+        cosine, cosine_from = _mean_cosine(results, runs)
         points.append(
             {
                 "name": results["name"],
                 "tasks": len(results["tasks"]),
                 "shares": shares,
                 "versus": versus,
-                "task_cosine": cosines.get("mean"),
+                "task_cosine": cosine,
+                "task_cosine_from": cosine_from,
             }
         )
     return points
@@ -78,7 +97,13 @@ def curve_markdown(points: list[dict[str, Any]]) -> str:
     for name in names:
         cells = ["–" if p["shares"].get(name) is None else f"{100 * p['shares'][name]:.0f} %" for p in points]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    cells = ["–" if p.get("task_cosine") is None else f"{p['task_cosine']:+.3f}" for p in points]
+    cells = [
+        "–"
+        if p.get("task_cosine") is None
+        else f"{p['task_cosine']:+.3f}"
+        + (f" ({p['task_cosine_from']}'s pairs)" if p.get("task_cosine_from") else "")
+        for p in points
+    ]
     lines.append("| experts' task vectors: mean pairwise cosine | " + " | ".join(cells) + " |")
     keys = list(dict.fromkeys(key for point in points for key in point["versus"]))
     lines += [
