@@ -27,7 +27,8 @@ def _cell(results: dict[str, Any], anchor: str, mode: str) -> dict[str, Any]:
 def _mean_cosine(results: dict[str, Any], runs: list[dict[str, Any]]) -> tuple[float | None, str | None]:
     """The run's mean pairwise task-vector cosine, or, for a run that did not record it (zeroshot8's
     first), the mean over its own pairs in a run of more tasks that did: nested runs share their experts
-    (one cache, one key per task), so a pair's cosine is the same in both. The second item names that run."""
+    through the cache (one key per task; zeroshot8's first run trained its own with the same seeds and
+    settings). The second item names that run."""
     own = (results.get("task_cosines") or {}).get("mean")
     if own is not None:
         return own, None
