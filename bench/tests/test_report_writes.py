@@ -67,7 +67,7 @@ def test_the_curve_takes_a_run_s_task_cosine_from_the_nested_run_that_recorded_i
     from bench.merging.report.curve import curve_markdown, curve_points
 
     pairs = {"a / b": 0.1, "a / c": -0.2, "b / c": 0.4, "a / d": 0.0, "b / d": 0.0, "c / d": 0.0}
-    small = {"name": "four", "tasks": ["a", "b", "c"], "rows": []}  # recorded no cosines (an older run)
+    small = {"name": "three", "tasks": ["a", "b", "c"], "rows": []}  # recorded no cosines (an older run)
     large = {
         "name": "many",
         "tasks": ["a", "b", "c", "d"],
