@@ -6,7 +6,8 @@ generated models; the protocol is this module's, the same for every workload:
 - OpenMP's wait policy is left as the user's process has it, and printed (sleeping waits cost
   many-small-product paths up to 0.13 s a merge, docs/performance.md);
 - every run writes into a fresh output folder; the previous one is deleted and every write flushed
-  first, untimed (a write into freshly freed blocks of a disk mounted with ``discard`` stalls);
+  first, untimed (a write into freshly freed blocks of a disk mounted with ``discard`` stalls); a
+  job that resumes itself (a search of hours) keeps its folder while the parameters stay the same;
 - the jobs of a group run in turn, round by round, the order reversed every other round, so a job
   and its baseline alternate who goes first and a slow spell falls on both;
 - warm-up rounds run first and are dropped;
@@ -61,6 +62,10 @@ class Group:
     # each run's folder deleted once the run is measured (untimed): outputs nobody reads again that
     # would not all fit on the disk (a full-depth 8B merge writes 15 GB a run)
     discard: bool = False
+    # a one-off job that resumes from what it left in its folder (a search of hours): the folder is
+    # kept between runs of the same workload and parameters, so a stopped run loses only the job's
+    # own last step; its time is then the job's own clock, not this harness's
+    resumes: bool = False
 
 
 @dataclass
@@ -229,7 +234,8 @@ def _forked(job: Job, out: Path, threads: int | None) -> tuple[float, dict[str, 
 
 
 def _timed(job: Job, out: Path, row: Row, group: Group) -> float:
-    fresh(out)
+    if not group.resumes:
+        fresh(out)
     seconds, peaks, start = _forked(job, out, group.threads) if group.fork else _measured(job, out)
     row.private_mib = max(row.private_mib, peaks.get("RssAnon", 0.0))
     row.private_growth_mib = max(row.private_growth_mib, peaks.get("RssAnon", 0.0) - start)
@@ -345,7 +351,8 @@ def run_workload(
 ) -> dict[str, Any]:
     """Build the workload at ``size`` (with ``overrides``), time every group, print the table, and
     write ``<out_root>/<name>.json``; the result as a mapping. A long run resumes: each finished group
-    is kept in ``<name>.partial.json`` and not measured again by the same run (``redo``: all again)."""
+    is kept in ``<name>.partial.json`` and not measured again by the same run (``redo``: all again),
+    and a ``resumes`` group's job goes on from its folder."""
     parameters = {**workload.sizes["full"], **workload.sizes[size], **(overrides or {})}
     rounds = rounds or int(parameters.pop("rounds", 5))
     parameters.pop("rounds", None)
@@ -355,13 +362,14 @@ def run_workload(
     echo(top)
     groups = workload.build(parameters, out_root)
     partial = out_root / f"{workload.name}.partial.json"
-    identity = {"size": size, "parameters": parameters, "rounds": rounds, "warmup": warmup}
-    done = json.loads(partial.read_text()) if partial.is_file() and not redo else {}
-    done = (
-        done.get("groups", {})
-        if done.get("identity") == json.loads(json.dumps(identity, default=str))
-        else {}
-    )
+    identity = json.loads(json.dumps({"size": size, "parameters": parameters, "rounds": rounds,
+                                      "warmup": warmup}, default=str))  # fmt: skip
+    stored = json.loads(partial.read_text()) if partial.is_file() else {}
+    same = not redo and stored.get("identity") == identity
+    done = stored.get("groups", {}) if same else {}
+    if not same:  # what a resumable job left under other parameters is not this run's to resume
+        fresh(out_root / "out")
+        partial.write_text(json.dumps({"identity": identity, "groups": done}, indent=1))
     rows: list[dict[str, Any]] = []
     for number, group in enumerate(groups):
         if str(number) in done:  # measured by an earlier run of the same workload and size: kept

@@ -41,6 +41,32 @@ def test_the_protocol_alternates_writes_fresh_folders_and_pairs_rounds(tmp_path)
     assert recorded["machine"]["omp_wait_policy"] and recorded["machine"]["versions"]["torch"]
 
 
+def test_a_stopped_resumable_job_goes_on_from_its_folder_and_new_parameters_start_it_afresh(tmp_path):
+    """A search of hours (``resumes``) that stops keeps its progress for the next run of the same
+    workload; under other parameters its folder is not the run's to resume."""
+
+    def search(out):
+        out.mkdir(parents=True, exist_ok=True)
+        steps = out / "steps"
+        done = len(steps.read_text()) if steps.is_file() else 0
+        steps.write_text("x" * (done + 1))
+        if done == 0:
+            raise KeyboardInterrupt  # stopped after its first step
+
+    def build(parameters, root):
+        return [Group([Job("search", search)], rounds=1, warmup=0, resumes=True)]
+
+    toy = Workload("toy", "a toy", {"quick": {"rounds": 1, "k": 1}, "full": {"rounds": 1}}, build)
+    steps = tmp_path / "out" / "group-0" / "0" / "steps"
+    with pytest.raises(KeyboardInterrupt):
+        run_workload(toy, "quick", warmup=0, out_root=tmp_path, echo=lambda line: None)
+    run_workload(toy, "quick", warmup=0, out_root=tmp_path, echo=lambda line: None)
+    assert steps.read_text() == "xx"  # went on from its first step
+    with pytest.raises(KeyboardInterrupt):
+        run_workload(toy, "quick", warmup=0, out_root=tmp_path, echo=lambda line: None, overrides={"k": 2})
+    assert steps.read_text() == "x"  # other parameters: begun again
+
+
 def test_a_command_ends_when_its_harness_is_killed(tmp_path):
     """A merge the harness started must not outlive it (it would write into a later run's folder)."""
     pid_file = tmp_path / "child.pid"

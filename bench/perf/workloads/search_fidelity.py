@@ -3,9 +3,10 @@
 One search, same ``search.yml`` and seed, run once with full evaluation (what ``--full-eval`` sets)
 and once per ``cheap`` share (cheap-then-full with early stopping), each arm in a process of its own,
 one after the other (the harness's protocol; each arm is its own group, so a long run that stops
-keeps the arms it finished). Then every arm's ``best/`` is scored on the test split, every example, and
-the figures are: trials per hour (the search's own clock) and per CPU-hour (each trial's ``time.cpu``
-in ``trials.jsonl``, so start-up and the final merge do not count), evaluation seconds per trial, the
+keeps the arms it finished, and the arm it stopped in resumes its search on the next run). Then
+every arm's ``best/`` is scored on the test split, every example, and the figures are: trials per hour
+(the search's own clock, over all its runs) and per CPU-hour (each trial's ``time.cpu`` in
+``trials.jsonl``, so start-up and the final merge do not count), evaluation seconds per trial, the
 share of validation examples scored, promotions, the best validation score, the test score with its
 95 % bootstrap interval and the paired test difference (staged − full); ``search_fidelity.png`` is
 the best validation score against the search's clock.
@@ -151,6 +152,7 @@ def build(parameters: dict[str, Any], root: Path) -> list[Group]:
             warmup=0,
             fork=True,
             threads=parameters["threads"],
+            resumes=True,  # the search goes on from its trials.jsonl; its own clock times it
         )
         for label, share in arms(parameters).items()
     ]
