@@ -132,4 +132,5 @@ def test_every_workload_runs_at_its_quick_size(name, tmp_path):
         arms = json.loads(Path(result["figures"]["arms"]).read_text())["arms"]
         assert arms["full"]["examples_scored_share"] == 1.0
         assert arms["cheap 0.25"]["examples_scored_share"] < 1.0
+        assert len(arms["full"]["cpu_by_position"]) == 1  # three trials: one step of ten
         assert Path(result["figures"]["picture"]).is_file()

@@ -8,8 +8,9 @@ every arm's ``best/`` is scored on the test split, every example, and the figure
 (the search's own clock, over all its runs) and per CPU-hour (each trial's ``time.cpu`` in
 ``trials.jsonl``, so start-up and the final merge do not count), evaluation seconds per trial, the
 share of validation examples scored, promotions, the best validation score, the test score with its
-95 % bootstrap interval and the paired test difference (staged − full); ``search_fidelity.png`` is
-the best validation score against the search's clock.
+95 % bootstrap interval and the paired test difference (staged − full), and the CPU-seconds of each
+ten trials against the full arm's same ten (the saving grows as the incumbent settles);
+``search_fidelity.png`` is the best validation score against the search's clock.
 
 The search comes from a merging-benchmark run (data-free BMM over Task Arithmetic at
 ``anchor_weight``, one block, the four λ groups and s): ``track=classification`` scores the MiniLM
@@ -35,6 +36,7 @@ from bench.perf.harness import Group, Job, Workload
 
 REPO = Path(__file__).resolve().parents[3]
 FULL = "full"
+POSITION = 10  # trials a step of the by-position CPU figure
 
 
 # -- the search --------------------------------------------------------------------------------
@@ -193,6 +195,10 @@ def measure(folder: Path, values: dict[str, list[float]]) -> dict[str, Any]:
     total = sum((r.get("fidelity") or {}).get("total", 0) for r in records)
     seconds = search_seconds(records)
     estimate, low, high = interval(values)
+    by_position: dict[int, float] = {}  # CPU-s per ten trials, by trial number: where the saving grows
+    for r in records:
+        tens = r["trial"] // POSITION
+        by_position[tens] = by_position.get(tens, 0.0) + r["time"].get("cpu", 0.0)
     return {
         "trials": len(records),
         "search_seconds": round(seconds, 1),
@@ -205,6 +211,7 @@ def measure(folder: Path, values: dict[str, list[float]]) -> dict[str, Any]:
         "best_validation": summary["best_score"],
         "best_values": summary["best_values"],
         "test": [round(estimate, 4), round(low, 4), round(high, 4)],
+        "cpu_by_position": [round(by_position[k], 1) for k in sorted(by_position)],
         "curve": [
             [round(clock, 1), r["score"]]
             for clock, r in search_clock(records)
@@ -241,6 +248,15 @@ def describe(results: dict[str, dict]) -> str:
                 f"{label} over full: trials/hour {row['speedup']:.2f}x, trials/CPU-hour "
                 f"{row['cpu_speedup']:.2f}x; test, {label} - full (paired): "
                 f"{100 * row['test_delta'][0]:+.2f} [{delta}] points"
+            )
+            steps = zip(results[FULL]["cpu_by_position"], row["cpu_by_position"])
+            lines.append(
+                f"{label}, CPU-s of full over {label} by trial number: "
+                + ", ".join(
+                    f"{POSITION * i}-{POSITION * i + POSITION - 1} {full / staged:.2f}x"
+                    for i, (full, staged) in enumerate(steps)
+                    if staged
+                )
             )
     return "\n".join(lines)
 
