@@ -54,6 +54,15 @@ def grid_values(spec: AnchorSpec) -> list[float | None]:
     return list(next(iter(spec.grid.values()))) if spec.grid else [None]
 
 
+def grid_edge(grid: list, best) -> str | None:
+    """``"largest"``/``"smallest"`` when the best value ends an ordered grid of several points: the
+    anchor may do better beyond it, so a comparison with it is not with the anchor at its best."""
+    numbers = [value for value in grid if isinstance(value, int | float)]
+    if len(numbers) < 2 or best not in numbers:
+        return None
+    return "largest" if best == max(numbers) else "smallest" if best == min(numbers) else None
+
+
 def materialise(recipe: dict[str, Any], folder: Path) -> tuple[Path, float]:
     """Merge ``recipe`` into ``folder`` unless a finished copy is there; (folder, seconds)."""
     key = recipe_key(recipe)
@@ -106,7 +115,9 @@ def tune_anchor(
     recipe = anchor_recipe(spec, base, experts, best_value, stats)
     key = recipe_key(recipe)
     folder, seconds = materialise(recipe, _folder(cache_dir, run_name, spec, recipe))
+    grid = grid_values(spec)
     return {
+        "grid_edge": grid_edge(grid, best_value),
         "recipe": recipe,
         "key": key,
         "folder": folder,

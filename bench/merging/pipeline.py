@@ -355,6 +355,8 @@ def _tune(spec: AnchorSpec, config: RunConfig, cache_dir: Path, art: Artifacts, 
     )
     if tuned["parameter"]:
         hyper = {tuned["parameter"]: tuned["value"], "validation_sweep": tuned["sweep"]}
+        if tuned["grid_edge"]:  # the report says so beside the value: the grid should be widened
+            hyper["grid_edge"] = tuned["grid_edge"]
     else:  # nothing to tune: the method's own settings
         hyper = {**spec.parameters, **spec.model_parameters, "validation_sweep": tuned["sweep"]}
     row = report.add_row(results, spec.name, "anchor", final["scores"], hyper, budget=len(tuned["sweep"]))
@@ -370,6 +372,11 @@ def _tune(spec: AnchorSpec, config: RunConfig, cache_dir: Path, art: Artifacts, 
         f"anchor    {spec.name:16s} {tuned['parameter']}={tuned['value']} validation "
         f"{100 * tuned['validation']:.1f}  sweep {tuned['sweep']}  merge {tuned['merge_seconds']} s"
     )
+    if tuned["grid_edge"]:
+        say(
+            f"anchor    {spec.name}: the best {tuned['parameter']} is the {tuned['grid_edge']} of its grid; "
+            f"widen `grid` in the config's anchors to tune it fully"
+        )
     if work.exists():
         shutil.rmtree(work)
     return tuned

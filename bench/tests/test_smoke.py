@@ -257,6 +257,15 @@ def test_bad_config_is_one_line_error(tmp_path):
     assert len(result.output.strip().splitlines()) == 1
 
 
+def test_an_anchor_tuned_at_the_end_of_its_grid_is_marked():
+    from bench.merging.anchor_tuning import grid_edge
+
+    assert grid_edge([0.3, 0.5, 1.0, 1.5], 1.5) == "largest"
+    assert grid_edge([0.3, 0.5, 1.0, 1.5], 0.3) == "smallest"
+    assert grid_edge([0.3, 0.5, 1.0, 1.5], 1.0) is None
+    assert grid_edge([1.0], 1.0) is None and grid_edge([None], None) is None  # nothing was tuned
+
+
 def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path, monkeypatch):
     """Phase 2 on the tiny run: an anchor grid, mergekit-bmm-stats, BMM searches and the ablation.
 
@@ -374,6 +383,9 @@ def test_anchors_statistics_and_bmm_searches(tiny_run, tmp_path, monkeypatch):
     page = (tmp_path / "results" / "smoke" / "results.md").read_text()
     assert "BMM at `lambda: auto`" in page and "`lambda: auto` paired against BMM at its defaults" in page
     assert results["verdict"]["data_free"]["anchors"] == 1
+    tsv = next(r for r in results["rows"] if r["anchor"] == "tsv" and r["setting"] == "anchor")
+    assert tsv["hyperparameters"]["grid_edge"] in {"largest", "smallest"}  # two points: the best ends it
+    assert "grid_edge=" in page
     gained = results["verdict"]["data_free"]["search_gained"]  # defaults judged only where a search gained
     assert 0 <= results["verdict"]["data_free"]["defaults_reach_80"] <= gained <= 1
     for setting in ("data_free", "data_assisted"):  # how far BMM went from its anchor, per group
