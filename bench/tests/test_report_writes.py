@@ -78,3 +78,34 @@ def test_the_curve_takes_a_run_s_task_cosine_from_the_nested_run_that_recorded_i
     assert [p["task_cosine"] for p in points] == [0.1, 0.05]  # (0.1 − 0.2 + 0.4) / 3: its own three pairs
     assert points[0]["task_cosine_from"] == "many" and points[1]["task_cosine_from"] is None
     assert "+0.100 (many's pairs)" in curve_markdown(points)
+
+
+def test_the_curve_sets_bmm_against_iso_cts_and_tsv_m_each_with_its_oracle():
+    from bench.merging.report.curve import curve_markdown, curve_points
+
+    def cell(anchor, mode, delta, oracle=None):
+        found = {
+            "anchor": anchor,
+            "mode": mode,
+            "delta": delta,
+            "delta_low": delta - 0.01,
+            "delta_high": delta + 0.01,
+        }
+        if oracle is not None:
+            found.update(oracle_delta=oracle, oracle_delta_low=oracle - 0.01, oracle_delta_high=oracle + 0.01)
+        return found
+
+    run = {
+        "name": "sixteen",
+        "tasks": [f"t{i}" for i in range(16)],
+        "rows": [],
+        "summary": [cell("iso_cts", "data_free", 0.004, oracle=0.012), cell("tsv", "data_assisted", 0.008)],
+    }
+    (point,) = curve_points([run])
+    assert set(point["versus"]) == {
+        "over ISO-CTS, data_free",
+        "over ISO-CTS, data_free, oracle",
+        "over TSV-M, data_assisted",
+    }
+    text = curve_markdown([point])
+    assert "| over TSV-M, data_assisted | +0.8 [" in text and "oracle (test as objective: a ceiling)" in text

@@ -2,9 +2,9 @@
 
 ``python -m bench.merging curve RESULTS.json ...`` reads finished runs' ``results.json`` (one per task
 count) and writes ``curve.md`` and ``curve.png``: per task count, where Task Arithmetic, TSV-M, ISO-CTS
-and BMM over Task Arithmetic and ISO-CTS (each mode, searched and at its defaults) land in the
-pretrained → experts range, and BMM over ISO-CTS minus ISO-CTS with its paired interval; the oracle
-(scored on test) beside it where the run has one.
+and BMM over each of them the run searched (each mode, searched and at its defaults) land in the
+pretrained → experts range, and BMM over ISO-CTS and over TSV-M minus that anchor with its paired
+interval; the oracle (scored on test) beside it where the run has one.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from bench.merging.report.rows import find_row, range_share
 
 ANCHORS = ("task_arithmetic", "tsv", "iso_cts")
 MODES = ("data_free", "data_assisted")
+VERSUS = {"iso_cts": "ISO-CTS", "tsv": "TSV-M"}  # the strong anchors BMM is set against, by name
 
 
 def _cell(results: dict[str, Any], anchor: str, mode: str) -> dict[str, Any]:
@@ -45,14 +46,14 @@ def _mean_cosine(results: dict[str, Any], runs: list[dict[str, Any]]) -> tuple[f
 
 def curve_points(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One point per run, ordered by its number of tasks: each model's share of the range, and BMM over
-    ISO-CTS against ISO-CTS (paired Δ and interval), searched, at its defaults and by the oracle."""
+    ISO-CTS and over TSV-M against that anchor (paired Δ and interval), searched and by the oracle."""
     points = []
     for results in sorted(runs, key=lambda r: len(r["tasks"])):
         shares: dict[str, float | None] = {}
         for anchor in ANCHORS:
             row = find_row(results, anchor)
             shares[anchor] = range_share(results, row["avg"]) if row else None
-        for anchor in ("task_arithmetic", "iso_cts"):
+        for anchor in ANCHORS:
             for mode in MODES:
                 row = find_row(results, anchor, mode)
                 if row:
@@ -63,20 +64,19 @@ def curve_points(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                             results, defaults["avg"]
                         )
         versus = {}
-        for mode in MODES:
-            cell = _cell(results, "iso_cts", mode)
-            if "delta" in cell:
-                versus[mode] = {
-                    "estimate": cell["delta"],
-                    "low": cell["delta_low"],
-                    "high": cell["delta_high"],
-                }
-                if "oracle_delta" in cell:
-                    versus[f"{mode}, oracle"] = {
-                        "estimate": cell["oracle_delta"],
-                        "low": cell["oracle_delta_low"],
-                        "high": cell["oracle_delta_high"],
-                    }
+        for anchor, label in VERSUS.items():
+            for mode in MODES:
+                cell = _cell(results, anchor, mode)
+                for prefix, key in (
+                    ("", f"over {label}, {mode}"),
+                    ("oracle_", f"over {label}, {mode}, oracle"),
+                ):
+                    if f"{prefix}delta" in cell:
+                        versus[key] = {
+                            "estimate": cell[f"{prefix}delta"],
+                            "low": cell[f"{prefix}delta_low"],
+                            "high": cell[f"{prefix}delta_high"],
+                        }
         cosine, cosine_from = _mean_cosine(results, runs)
         points.append(
             {
@@ -109,7 +109,7 @@ def curve_markdown(points: list[dict[str, Any]]) -> str:
     keys = list(dict.fromkeys(key for point in points for key in point["versus"]))
     lines += [
         "",
-        "| BMM over ISO-CTS − ISO-CTS (test, paired) | "
+        "| BMM − the anchor it starts from (test, paired) | "
         + " | ".join(f"{p['tasks']} tasks" for p in points)
         + " |",
     ]
@@ -127,7 +127,7 @@ def curve_markdown(points: list[dict[str, Any]]) -> str:
     return (
         "Share of the pretrained → experts range (test average) per number of tasks (with how far the "
         "experts pull the encoder apart: the mean cosine between two of their task vectors), and BMM over "
-        "ISO-CTS against ISO-CTS (points, 95 % paired interval).\n\n" + "\n".join(lines)
+        "ISO-CTS and over TSV-M against that anchor (points, 95 % paired interval).\n\n" + "\n".join(lines)
     )
 
 
@@ -167,12 +167,14 @@ def plot_curve(points: list[dict[str, Any]], path: Path) -> Path | None:
         )
     right.axhline(0, color="gray", linewidth=1)
     right.set_xlabel("tasks merged")
-    right.set_ylabel("BMM over ISO-CTS − ISO-CTS (test points)")
+    right.set_ylabel("BMM − the anchor it starts from (test points)")
     right.set_xticks(counts)
     if right.get_legend_handles_labels()[0]:
         right.legend(fontsize=7)
-    else:  # no BMM over ISO-CTS in these runs yet
-        right.text(0.5, 0.5, "no BMM over ISO-CTS yet", ha="center", va="center", transform=right.transAxes)
+    else:  # no BMM over ISO-CTS or TSV-M in these runs yet
+        right.text(
+            0.5, 0.5, "no BMM over ISO-CTS or TSV-M yet", ha="center", va="center", transform=right.transAxes
+        )
     return _save(fig, path, 110)
 
 
