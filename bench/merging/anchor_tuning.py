@@ -100,14 +100,14 @@ def tune_anchor(
     sweep: dict[str, float] = {}
     merge_seconds: dict[str, float | None] = {}
     best_value, best_score = None, None
-    values = grid_values(spec)
-    for value in values:
+    grid = grid_values(spec)
+    for value in grid:
         recipe = anchor_recipe(spec, base, experts, value, stats)
         # a single point is merged straight into its kept folder (WUDI's Adam is costly)
-        folder = _folder(cache_dir, run_name, spec, recipe) if len(values) == 1 else None
+        folder = _folder(cache_dir, run_name, spec, recipe) if len(grid) == 1 else None
         record = merge_and_score(recipe, validation_jobs, folder)
-        values = [record["scores"][(task.name, split)] for task, split in validation_jobs]
-        score = sum(values) / len(values)
+        scores = [record["scores"][(task.name, split)] for task, split in validation_jobs]
+        score = sum(scores) / len(scores)
         sweep[str(value)] = round(score, 4)
         merge_seconds[str(value)] = record["merge_seconds"]
         if best_score is None or score > best_score:
@@ -115,7 +115,6 @@ def tune_anchor(
     recipe = anchor_recipe(spec, base, experts, best_value, stats)
     key = recipe_key(recipe)
     folder, seconds = materialise(recipe, _folder(cache_dir, run_name, spec, recipe))
-    grid = grid_values(spec)
     return {
         "grid_edge": grid_edge(grid, best_value),
         "recipe": recipe,
