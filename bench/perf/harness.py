@@ -33,7 +33,10 @@ from typing import Any
 from bench.common import PeakSampler, cpu_model, reset_peak_rss
 from mergekit_bmm.merge_methods.merge_findings import summaries_silenced
 
-FORKED_LIMIT = 3600.0  # seconds a forked run may take before it is taken for hung
+# a forked run that writes nothing into its folder for this long is taken for hung (a search of
+# hours writes a line per trial, so only silence counts, not the run's length)
+FORKED_LIMIT = 3600.0
+PROGRESS_POLL = 30.0  # seconds between looks at a forked run's folder
 
 
 @dataclass
@@ -213,6 +216,28 @@ def _in_child(connection, job: Job, out: Path, threads: int | None) -> None:
         connection.close()
 
 
+def _newest_write(folder: Path) -> float:
+    """The latest modification time under ``folder`` (0 while it is empty or absent)."""
+    times = [path.stat().st_mtime for path in folder.rglob("*")] if folder.exists() else []
+    return max(times, default=0.0)
+
+
+def _await_result(receive, process, out: Path, label: str) -> None:
+    """Wait for a forked run while it makes progress; kill it once it died or fell silent."""
+    newest, quiet_since = _newest_write(out), time.monotonic()
+    while not receive.poll(PROGRESS_POLL):
+        if not process.is_alive() and not receive.poll(1.0):  # it may have sent just now
+            raise RuntimeError(f"{label}: the forked run ended without a result (exit {process.exitcode})")
+        latest = _newest_write(out)
+        if latest != newest:
+            newest, quiet_since = latest, time.monotonic()
+        elif time.monotonic() - quiet_since > FORKED_LIMIT:  # hung (an OpenMP pool the parent started?)
+            process.kill()
+            raise RuntimeError(
+                f"{label}: nothing written for {FORKED_LIMIT:.0f} s; keep the parent on one torch thread"
+            )
+
+
 def _forked(job: Job, out: Path, threads: int | None) -> tuple[float, dict[str, float], float]:
     import multiprocessing
 
@@ -221,11 +246,7 @@ def _forked(job: Job, out: Path, threads: int | None) -> tuple[float, dict[str, 
     process = context.Process(target=_in_child, args=(send, job, out, threads))
     process.start()
     send.close()
-    if not receive.poll(FORKED_LIMIT):  # a forked child hung (an OpenMP pool the parent started?)
-        process.kill()
-        raise RuntimeError(
-            f"{job.label}: no result after {FORKED_LIMIT} s; keep the parent on one torch thread"
-        )
+    _await_result(receive, process, out, job.label)
     status, seconds, peaks, start = receive.recv()
     process.join()
     if status != "ok":

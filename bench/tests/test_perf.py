@@ -67,6 +67,39 @@ def test_a_stopped_resumable_job_goes_on_from_its_folder_and_new_parameters_star
     assert steps.read_text() == "x"  # other parameters: begun again
 
 
+def test_a_forked_run_longer_than_the_limit_goes_on_while_it_writes_and_a_silent_one_is_stopped(
+    tmp_path, monkeypatch
+):
+    """A search of hours runs in a forked child: its length is no sign of a hang, its silence is."""
+    from bench.perf import harness
+
+    monkeypatch.setattr(harness, "FORKED_LIMIT", 0.6)
+    monkeypatch.setattr(harness, "PROGRESS_POLL", 0.1)
+
+    def writing(out):
+        out.mkdir(parents=True, exist_ok=True)
+        for step in range(8):  # 1.6 s in all, well past the limit, a write every 0.2 s
+            (out / f"trial-{step}").write_text("done")
+            time.sleep(0.2)
+
+    def silent(out):
+        time.sleep(30)
+
+    def build(parameters, root):
+        job = writing if parameters["job"] == "writing" else silent
+        return [Group([Job(parameters["job"], job)], rounds=1, warmup=0, fork=True, resumes=True)]
+
+    toy = Workload("toy", "a toy", {"quick": {"rounds": 1, "job": "writing"}, "full": {"rounds": 1}}, build)
+    result = run_workload(toy, "quick", warmup=0, out_root=tmp_path, echo=lambda line: None)
+    assert result["rows"][0]["seconds"] > 1.5
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="nothing written"):
+        run_workload(
+            toy, "quick", warmup=0, out_root=tmp_path, echo=lambda line: None, overrides={"job": "silent"}
+        )
+    assert time.monotonic() - started < 10
+
+
 def test_a_command_ends_when_its_harness_is_killed(tmp_path):
     """A merge the harness started must not outlive it (it would write into a later run's folder)."""
     pid_file = tmp_path / "child.pid"
