@@ -73,14 +73,14 @@ def test_a_forked_run_longer_than_the_limit_goes_on_while_it_writes_and_a_silent
     """A search of hours runs in a forked child: its length is no sign of a hang, its silence is."""
     from bench.perf import harness
 
-    monkeypatch.setattr(harness, "FORKED_LIMIT", 0.6)
+    monkeypatch.setattr(harness, "FORKED_LIMIT", 2.0)
     monkeypatch.setattr(harness, "PROGRESS_POLL", 0.1)
 
     def writing(out):
         out.mkdir(parents=True, exist_ok=True)
-        for step in range(8):  # 1.6 s in all, well past the limit, a write every 0.2 s
+        for step in range(12):  # 3 s in all, well past the limit, a write every 0.25 s
             (out / f"trial-{step}").write_text("done")
-            time.sleep(0.2)
+            time.sleep(0.25)
 
     def silent(out):
         time.sleep(30)
@@ -91,13 +91,13 @@ def test_a_forked_run_longer_than_the_limit_goes_on_while_it_writes_and_a_silent
 
     toy = Workload("toy", "a toy", {"quick": {"rounds": 1, "job": "writing"}, "full": {"rounds": 1}}, build)
     result = run_workload(toy, "quick", warmup=0, out_root=tmp_path, echo=lambda line: None)
-    assert result["rows"][0]["seconds"] > 1.5
+    assert result["rows"][0]["seconds"] > 2.5
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="nothing written"):
         run_workload(
             toy, "quick", warmup=0, out_root=tmp_path, echo=lambda line: None, overrides={"job": "silent"}
         )
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 15
 
 
 def test_a_command_ends_when_its_harness_is_killed(tmp_path):
