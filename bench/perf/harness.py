@@ -217,9 +217,18 @@ def _in_child(connection, job: Job, out: Path, threads: int | None) -> None:
 
 
 def _newest_write(folder: Path) -> float:
-    """The latest modification time under ``folder`` (0 while it is empty or absent)."""
-    times = [path.stat().st_mtime for path in folder.rglob("*")] if folder.exists() else []
-    return max(times, default=0.0)
+    """The latest modification time under ``folder`` (0 while it is empty or absent); a file the run
+    renames or deletes while it is read is skipped."""
+    newest = 0.0
+    try:
+        for path in folder.rglob("*"):
+            try:
+                newest = max(newest, path.stat().st_mtime)
+            except OSError:
+                continue
+    except OSError:  # the folder itself went or came mid-walk
+        pass
+    return newest
 
 
 def _await_result(receive, process, out: Path, label: str) -> None:
