@@ -109,3 +109,36 @@ def test_the_curve_sets_bmm_against_iso_cts_and_tsv_m_each_with_its_oracle():
     }
     text = curve_markdown([point])
     assert "| over TSV-M, data_assisted | +0.8 [" in text and "oracle (test as objective: a ceiling)" in text
+
+
+def test_the_curve_reads_a_run_reported_in_parts_as_one_point():
+    from bench.merging.report.curve import curve_points
+
+    tasks = [f"t{i}" for i in range(8)]
+    rows = [
+        {"anchor": "pretrained", "setting": "anchor", "avg": 0.5},
+        {"anchor": "iso_cts", "setting": "anchor", "avg": 0.8},
+    ]
+    first = {  # both modes, no oracle
+        "name": "eight",
+        "tasks": tasks,
+        "indiv": {t: 0.9 for t in tasks},
+        "rows": rows + [{"anchor": "iso_cts", "setting": "data_free", "avg": 0.81}],
+        "summary": [
+            {"anchor": "iso_cts", "mode": "data_free", "delta": 0.01, "delta_low": 0.0, "delta_high": 0.02}
+        ],
+    }
+    oracle_pass = {  # a later pass over the same cache: the same search, and the oracle beside it
+        "name": "eight",
+        "tasks": tasks,
+        "indiv": {t: 0.9 for t in tasks},
+        "rows": [{"anchor": "iso_cts", "setting": "data_free", "avg": 0.81}],
+        "summary": [
+            {"anchor": "iso_cts", "mode": "data_free", "delta": 0.01, "delta_low": 0.0, "delta_high": 0.02}
+            | {"oracle_delta": 0.03, "oracle_delta_low": 0.01, "oracle_delta_high": 0.05}
+        ],
+    }
+    (point,) = curve_points([first, oracle_pass])
+    assert point["tasks"] == 8 and round(point["shares"]["bmm over iso_cts (data_free)"], 3) == 0.775
+    assert point["versus"]["over ISO-CTS, data_free"]["estimate"] == 0.01
+    assert point["versus"]["over ISO-CTS, data_free, oracle"] == {"estimate": 0.03, "low": 0.01, "high": 0.05}

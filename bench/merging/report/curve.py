@@ -4,7 +4,8 @@
 count) and writes ``curve.md`` and ``curve.png``: per task count, where Task Arithmetic, TSV-M, ISO-CTS
 and BMM over each of them the run searched (each mode, searched and at its defaults) land in the
 pretrained → experts range, and BMM over ISO-CTS and over TSV-M minus that anchor with its paired
-interval; the oracle (scored on test) beside it where the run has one.
+interval; the oracle (scored on test) beside it where the run has one. A run reported in parts (one
+``results.json`` per pass, e.g. a data-free and a data-assisted pass over the same cache) is read as one.
 """
 
 from __future__ import annotations
@@ -44,9 +45,33 @@ def _mean_cosine(results: dict[str, Any], runs: list[dict[str, Any]]) -> tuple[f
     return None, None
 
 
+def _joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run from its parts: rows by (anchor, setting) and summary cells by (anchor, mode), the first
+    part's value winning for a key that several hold (passes over one cache agree on what they share),
+    the later parts filling what it lacks (an oracle, the other mode)."""
+    joined = dict(parts[0])
+    for field, key in (("rows", ("anchor", "setting")), ("summary", ("anchor", "mode"))):
+        merged: dict[tuple, dict[str, Any]] = {}
+        for part in parts:
+            for item in part.get(field) or []:
+                ident = tuple(item[name] for name in key)
+                merged[ident] = {**item, **merged.get(ident, {})}
+        joined[field] = list(merged.values())
+    return joined
+
+
+def join_parts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs with the same name and tasks read as one (see ``_joined``), in the order first given."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for results in runs:
+        groups.setdefault((results["name"], tuple(results["tasks"])), []).append(results)
+    return [_joined(parts) for parts in groups.values()]
+
+
 def curve_points(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One point per run, ordered by its number of tasks: each model's share of the range, and BMM over
     ISO-CTS and over TSV-M against that anchor (paired Δ and interval), searched and by the oracle."""
+    runs = join_parts(runs)
     points = []
     for results in sorted(runs, key=lambda r: len(r["tasks"])):
         shares: dict[str, float | None] = {}
