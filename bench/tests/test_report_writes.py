@@ -39,6 +39,26 @@ def test_a_picture_is_drawn_again_only_when_what_it_shows_changed(tmp_path, monk
     assert path.read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_picture_is_drawn_again_when_its_drawing_changed(tmp_path, monkeypatch):
+    monkeypatch.setattr(plots, "KEPT_IN", tmp_path / "kept")
+    path, drawn = tmp_path / "p.png", []
+
+    def draw(data, path):  # the drawing as it was
+        drawn.append("old")
+        plt = plots._pyplot()
+        return plots._save(plt.figure(), path, 50)
+
+    assert plots.drawn_once(draw)({"x": 1}, path) == path and drawn == ["old"]
+    assert plots.drawn_once(draw)({"x": 1}, path) == path and drawn == ["old"]  # the same drawing: kept
+
+    def draw(data, path):  # noqa: F811 (the same name and inputs, other code: not the old picture)
+        drawn.append("new")
+        plt = plots._pyplot()
+        return plots._save(plt.figure(figsize=(2, 2)), path, 50)
+
+    assert plots.drawn_once(draw)({"x": 1}, path) == path and drawn == ["old", "new"]
+
+
 def test_a_picture_that_reads_some_keys_is_kept_when_a_stage_adds_others(tmp_path, monkeypatch):
     drawn: list[Path] = []
     save = plots._save

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -34,11 +35,13 @@ def drawn_once(draw: Draw | None = None, *, reads: tuple[str, ...] | None = None
     (a stage that adds anything else leaves it as it is); None: all of them but the clocks."""
 
     def decorate(draw: Draw) -> Draw:
+        drawing = _source_digest(draw)  # a changed drawing draws again, whatever the inputs
+
         @functools.wraps(draw)
         def wrapper(data: Any, path: Path, *args: Any, **kwargs: Any) -> Path | None:
             path = Path(path)
             shown = _shown(data, reads)
-            text = json.dumps([draw.__qualname__, shown, args, kwargs], sort_keys=True, default=str)
+            text = json.dumps([draw.__qualname__, drawing, shown, args, kwargs], sort_keys=True, default=str)
             digest = hashlib.sha256(text.encode()).hexdigest()
             if _stamp(path) == digest or _drawn_before(digest, path):
                 return path
@@ -69,6 +72,15 @@ def _kept(digest: str) -> Path:
     """Where a picture drawn from ``digest`` is kept: a resumed run writes its report at every stage
     boundary with the rows it has reloaded so far, so the same few states come back run after run."""
     return KEPT_IN / f"{digest}.png"
+
+
+def _source_digest(draw: Callable[..., Any]) -> str:
+    """The drawing's own code, so a picture kept from an older drawing is not reused for a new one."""
+    try:
+        source = inspect.getsource(draw)
+    except (OSError, TypeError):  # no source to read (a frozen build): its bytecode stands in
+        source = draw.__code__.co_code.hex()
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
 def _drawn_before(digest: str, path: Path) -> bool:
