@@ -165,30 +165,45 @@ def plot_curve(points: list[dict[str, Any]], path: Path) -> Path | None:
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     counts = [p["tasks"] for p in points]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for name in dict.fromkeys(n for p in points for n in p["shares"] if "defaults" not in n):
         values = [None if p["shares"].get(name) is None else 100 * p["shares"][name] for p in points]
-        left.plot(counts, values, marker="o", label=name)
+        anchor = next(a for a in ANCHORS if a in name)  # an anchor and BMM over it in one colour
+        style = ":" if name == anchor else "--" if "data_assisted" in name else "-"
+        left.plot(
+            counts,
+            values,
+            marker="s" if name == anchor else "o",
+            linestyle=style,
+            color=colours[ANCHORS.index(anchor)],
+            label=name,
+        )
     left.set_xlabel("tasks merged")
     left.set_ylabel("share of the pretrained → experts range (%)")
     left.set_xticks(counts)
     left.legend(fontsize=7)
-    for key in dict.fromkeys(k for p in points for k in p["versus"]):
-        xs = [p["tasks"] for p in points if key in p["versus"]]
-        ys = [100 * p["versus"][key]["estimate"] for p in points if key in p["versus"]]
-        low = [
-            y - 100 * p["versus"][key]["low"] for y, p in zip(ys, [p for p in points if key in p["versus"]])
-        ]
-        high = [
-            100 * p["versus"][key]["high"] - y for y, p in zip(ys, [p for p in points if key in p["versus"]])
-        ]
+    keys = list(dict.fromkeys(k for p in points for k in p["versus"]))
+    bases = list(dict.fromkeys(key.removesuffix(", oracle") for key in keys))
+    spread = 0.06 * (max(counts) - min(counts) or 8) / max(len(keys), 1)  # side by side, not on one x
+    for index, key in enumerate(keys):
+        held = [p for p in points if key in p["versus"]]
+        figures = [p["versus"][key] for p in held]
+        ys = [100 * f["estimate"] for f in figures]
         right.errorbar(
-            xs,
+            [p["tasks"] + (index - (len(keys) - 1) / 2) * spread for p in held],
             ys,
-            yerr=[low, high],
+            yerr=[
+                [y - 100 * f["low"] for y, f in zip(ys, figures)],
+                [100 * f["high"] - y for y, f in zip(ys, figures)],
+            ],
             marker="o",
             capsize=3,
             label=key,
+            color=colours[
+                bases.index(key.removesuffix(", oracle")) % len(colours)
+            ],  # a search and its oracle alike
             linestyle="--" if "oracle" in key else "-",
+            markerfacecolor="white" if "oracle" in key else None,
         )
     right.axhline(0, color="gray", linewidth=1)
     right.set_xlabel("tasks merged")
