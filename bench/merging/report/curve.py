@@ -189,6 +189,9 @@ def plot_curve(points: list[dict[str, Any]], path: Path) -> Path | None:
         held = [p for p in points if key in p["versus"]]
         figures = [p["versus"][key] for p in held]
         ys = [100 * f["estimate"] for f in figures]
+        colour = colours[
+            bases.index(key.removesuffix(", oracle")) % len(colours)
+        ]  # a search and its oracle alike
         right.errorbar(
             [p["tasks"] + (index - (len(keys) - 1) / 2) * spread for p in held],
             ys,
@@ -199,9 +202,7 @@ def plot_curve(points: list[dict[str, Any]], path: Path) -> Path | None:
             marker="o",
             capsize=3,
             label=key,
-            color=colours[
-                bases.index(key.removesuffix(", oracle")) % len(colours)
-            ],  # a search and its oracle alike
+            color=colour,
             linestyle="--" if "oracle" in key else "-",
             markerfacecolor="white" if "oracle" in key else None,
         )
