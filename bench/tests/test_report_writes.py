@@ -57,6 +57,8 @@ def test_a_picture_is_drawn_again_when_its_drawing_changed(tmp_path, monkeypatch
         return plots._save(plt.figure(figsize=(2, 2)), path, 50)
 
     assert plots.drawn_once(draw)({"x": 1}, path) == path and drawn == ["old", "new"]
+    monkeypatch.setattr(plots, "helpers_digest", lambda: "the helpers changed")  # `_save`, `_pyplot` edited
+    assert plots.drawn_once(draw)({"x": 1}, path) == path and drawn == ["old", "new", "new"]
 
 
 def test_a_picture_that_reads_some_keys_is_kept_when_a_stage_adds_others(tmp_path, monkeypatch):

@@ -75,11 +75,22 @@ def _kept(digest: str) -> Path:
 
 
 def _source_digest(draw: Callable[..., Any]) -> str:
-    """The drawing's own code, so a picture kept from an older drawing is not reused for a new one."""
+    """The drawing's own code and this module's (the helpers every drawing calls: ``_save``,
+    ``_pyplot``), so a picture kept from an older drawing is not reused for a new one."""
     try:
         source = inspect.getsource(draw)
     except (OSError, TypeError):  # no source to read (a frozen build): its bytecode stands in
         source = draw.__code__.co_code.hex()
+    return hashlib.sha256((source + helpers_digest()).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def helpers_digest() -> str:
+    """The digest of this module's source (read once)."""
+    try:
+        source = inspect.getsource(inspect.getmodule(helpers_digest))
+    except (OSError, TypeError):
+        source = ""
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
