@@ -189,9 +189,8 @@ def plot_curve(points: list[dict[str, Any]], path: Path) -> Path | None:
         held = [p for p in points if key in p["versus"]]
         figures = [p["versus"][key] for p in held]
         ys = [100 * f["estimate"] for f in figures]
-        colour = colours[
-            bases.index(key.removesuffix(", oracle")) % len(colours)
-        ]  # a search and its oracle alike
+        # a search and its oracle alike
+        colour = colours[bases.index(key.removesuffix(", oracle")) % len(colours)]
         right.errorbar(
             [p["tasks"] + (index - (len(keys) - 1) / 2) * spread for p in held],
             ys,
